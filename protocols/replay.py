@@ -42,6 +42,7 @@ from greenroom.protocols.stream import TokenUsage
 __all__ = [
     "CallLine",
     "Outcome",
+    "Outcomes",
     "RecordedCall",
     "RecordedResults",
     "RecordedTask",
@@ -93,6 +94,38 @@ class RecordedResults:
         """The next recorded result of a call equal to this one, or None."""
         queue = self._results.get(call_key(name, arguments))
         return queue.popleft() if queue else None
+
+
+class Outcomes:
+    """What a replay made of each of its calls (:data:`Outcome`), noted as each is decided:
+    by call id — or, for a call of a tool that has an argument named ``ctx`` (the name a
+    tool's context would take, so the call runs without one that names it), by
+    :func:`call_key`, the n-th equal call taking the n-th outcome noted for such calls."""
+
+    __slots__ = ("_by_call", "_by_id")
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, Outcome] = {}
+        self._by_call: dict[str, deque[Outcome]] = {}
+
+    def note(
+        self, outcome: Outcome, *, call_id: str | None, name: str, arguments: Mapping[str, Any]
+    ) -> None:
+        """Note the ``outcome`` of the call ``call_id`` (None: not known) of tool ``name``
+        with ``arguments``."""
+        if call_id is not None:
+            self._by_id[call_id] = outcome
+        else:
+            self._by_call.setdefault(call_key(name, arguments), deque()).append(outcome)
+
+    def take(self, call: ToolCallBlock) -> Outcome:
+        """The outcome of ``call`` (asked once per call, in call order); ``different``
+        when none was noted (its tool never ran it: its arguments were invalid, say)."""
+        outcome = self._by_id.get(call.id)
+        if outcome is not None:
+            return outcome
+        queue = self._by_call.get(call_key(call.name, call.arguments))
+        return queue.popleft() if queue else "different"
 
 
 @attrs.frozen(kw_only=True)

@@ -9,9 +9,13 @@ is denied by default first, R-APPROVE-5), a cut stream ends ``aborted``, then on
 (with the partial output, so carry-over is rebuilt from the trace) and one
 ``task_end(aborted)``. A history cut between a cut stream's ``request_end(aborted)`` and
 the task's ``abort`` gets that ``abort`` (with the partial output the stream had
-produced) and the ``task_end``: the stream is not ended twice. A history cut between a
-task's ``abort`` and its ``task_end`` gets the ``task_end`` alone: its calls are settled
-and its carry-over is the abort's.
+produced) and the ``task_end``: the stream is not ended twice. A history cut after a
+failed attempt's ``request_end`` and before its retry's ``request_begin`` (the call it made
+may be running, or the retry waiting) is a cut stream too, as a live interrupt there
+records it: its calls are settled, the ``abort`` carries the failed attempt's output
+(:func:`failed_output`) and says the message incomplete, and no second ``request_end`` is
+written. A history cut between a task's ``abort`` and its ``task_end`` gets the
+``task_end`` alone: its calls are settled and its carry-over is the abort's.
 :func:`settlement` gives those records; the caller numbers and writes them. A manual
 compaction in flight ends ``failed``. A history that ends in a prompt whose task had not
 started (the cut fell between the two) gets the ``task_start``, then the
@@ -32,12 +36,15 @@ import attrs
 
 from greenroom.protocols import markers
 from greenroom.protocols.content import ModelBlock, TextBlock
-from greenroom.protocols.history import cut_by
+from greenroom.protocols.history import cut_by, live_records
 from greenroom.protocols.outputs import (
     Abort,
     ApprovalDecision,
+    CompactionBegin,
     CompactionEnd,
+    ModelMsg,
     Output,
+    RequestBegin,
     RequestEnd,
     TaskEnd,
     TaskQueueDropped,
@@ -48,7 +55,7 @@ from greenroom.protocols.stream import TokenUsage
 from greenroom.protocols.task import Phase, TaskRecord
 from greenroom.protocols.trace import fit_partial, record_size
 
-__all__ = ["rewind_problem", "settlement"]
+__all__ = ["failed_output", "interrupt_rest", "rewind_problem", "settlement"]
 
 
 def settlement(
@@ -58,6 +65,7 @@ def settlement(
     session_id: str,
     reason: str,
     most: int | None = None,
+    failed: Sequence[ModelBlock] | None = None,
 ) -> list[Output]:
     """The records (without ``seq``) that close the task a history leaves open, as an
     interrupt with ``reason`` would, and drop the follow-ups it leaves queued (an
@@ -65,16 +73,45 @@ def settlement(
     runs them later); none when nothing is open or queued. ``record`` is the task state
     folded from that history (:func:`~greenroom.protocols.task.fold`), ``partial`` what
     the model request in flight had produced
-    (:attr:`~greenroom.protocols.transcript.Transcript.attempt_blocks`), fitted to one
-    record of ``most`` bytes (a cluster's trace; None: no limit) as an interrupt fits it
-    (:func:`~greenroom.protocols.trace.fit_partial`)."""
-    out = _settled_task(record, partial, session_id=session_id, reason=reason, most=most)
+    (:attr:`~greenroom.protocols.transcript.Transcript.attempt_blocks`), ``failed`` what
+    :func:`failed_output` gives for that history (None: it does not end after a failed
+    attempt); either is fitted to one record of ``most`` bytes (a cluster's trace; None:
+    no limit) as an interrupt fits it (:func:`~greenroom.protocols.trace.fit_partial`)."""
+    streaming = record.phase is Phase.MODEL
+    if not streaming and failed is not None:
+        partial = failed
+    out = _settled_task(record, partial, session_id=session_id, reason=reason, most=most,
+                        cut=streaming or failed is not None)  # fmt: skip
     if record.queued:
         out.append(
             TaskQueueDropped(session_id=session_id, run_id=record.run_id or "",
                              queue_ids=tuple(q.queue_id for q in record.queued), reason=reason)
         )
     return out
+
+
+def interrupt_rest(
+    record: TaskRecord,
+    partial: Sequence[ModelBlock],
+    *,
+    session_id: str,
+    reason: str,
+    most: int | None = None,
+) -> list[Output]:
+    """What an interrupt of the open task still had to record when its host stopped
+    between its records (R-ABORT-1, R-TRACE-4), without the ``task_end`` (the task's end
+    writes it): after the cut stream's ``request_end(aborted)``, the ``abort`` with
+    ``partial`` (:attr:`~greenroom.protocols.transcript.Transcript.attempt_blocks`);
+    after the ``abort``, nothing; nothing either when no interrupt was under way.
+
+    A host that takes such a task up ends it so: the user interrupted it, and nothing of
+    it runs again. The follow-ups it leaves queued were queued after the interrupt (which
+    recorded the queue dropped first): they stay queued."""
+    if not (record.aborting or record.attempt_aborted) or record.run_id is None:
+        return []
+    settled = _settled_task(record, partial, session_id=session_id, reason=reason, most=most,
+                            cut=record.phase is Phase.MODEL)  # fmt: skip
+    return [output for output in settled if not isinstance(output, TaskEnd)]
 
 
 def _settled_task(
@@ -84,6 +121,7 @@ def _settled_task(
     session_id: str,
     reason: str,
     most: int | None,
+    cut: bool,
 ) -> list[Output]:
     run_id = started = record.run_id
     out: list[Output] = []
@@ -152,7 +190,8 @@ def _settled_task(
         )
     if streaming and not record.attempt_aborted:
         # A cut after the attempt's request_end(aborted) and before its abort has the
-        # stream ended already: only the abort, with what the stream had produced, is due.
+        # stream ended already: only the abort, with what the stream had produced, is due;
+        # so has a failed attempt's, whose output is the partial (``cut``).
         out.append(
             RequestEnd(
                 session_id=session_id,
@@ -164,8 +203,8 @@ def _settled_task(
             )
         )
     abort = Abort(session_id=session_id, run_id=run_id, reason=reason, partial=(),
-                  message_complete=not streaming)  # fmt: skip
-    if streaming and partial:
+                  message_complete=not cut)  # fmt: skip
+    if cut and partial:
         blocks = tuple(partial)
         if most is not None:
             blocks = fit_partial(blocks, most, record_size(abort))
@@ -173,6 +212,35 @@ def _settled_task(
     out.append(abort)
     out.append(task_end)
     return out
+
+
+def failed_output(records: Sequence[Output]) -> tuple[ModelBlock, ...] | None:
+    """When ``records`` (a history, in ``seq`` order) end inside a task after a failed
+    attempt's ``request_end`` — its calls may still run, its retry has not begun — the
+    output an interrupt there records as the abort's partial (R-ABORT-2 case B,
+    R-RETRY-4): the failed attempt's, or, when it wrote nothing, that of the turn's latest
+    earlier attempt that did (what the retry note told the model). None otherwise: a
+    failed stream's message is never committed, so an abort that called it complete would
+    carry none of its text and calls."""
+    blocks: list[ModelBlock] = []
+    retried: tuple[ModelBlock, ...] = ()
+    failed: tuple[ModelBlock, ...] | None = None
+    for output in live_records(records):
+        match output:
+            case RequestBegin():
+                if output.attempt == 1:
+                    retried = ()  # a new turn, or one run again after an overflow
+                blocks, failed = [], None
+            case ModelMsg():
+                blocks.append(output.block)
+            case RequestEnd() if output.status not in ("ok", "aborted"):
+                retried = tuple(blocks) or retried
+                failed = retried
+            case RequestEnd() | TaskStart() | TaskEnd() | Abort() | CompactionBegin():
+                blocks, retried, failed = [], (), None
+            case _:
+                pass  # calls settled, questions asked: the retry has not begun
+    return failed
 
 
 def rewind_problem(records: Sequence[Output], to_seq: int, *, last_seq: int) -> str | None:

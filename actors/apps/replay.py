@@ -17,13 +17,15 @@ call is approved: the wrapper decides what runs —
   it is parallel-safe) is refused with a note the model reads (``denied``) — unless
   ``run_tools``: then it runs (``different``).
 
-It returns the :class:`~greenroom.protocols.replay.ReplayReport`.
+Every argument reaches the record and the tool as the model gave it, whatever its name
+(an MCP tool's argument named ``ctx`` too). It returns the
+:class:`~greenroom.protocols.replay.ReplayReport`.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 import attrs
@@ -35,6 +37,7 @@ from greenroom.protocols.outputs import ModelMsg, RequestBegin, TaskStart
 from greenroom.protocols.replay import (
     CallLine,
     Outcome,
+    Outcomes,
     RecordedResults,
     RecordedTask,
     ReplayedTask,
@@ -47,6 +50,9 @@ from greenroom.protocols.tools import Tool, ToolContext, ToolFailure
 
 __all__ = ["replay_session", "replaying"]
 
+CTX = "ctx"
+"""The argument under which the tool pool passes a tool its context."""
+
 
 def denied_note(name: str) -> str:
     """What the model reads for a call a replay did not run."""
@@ -58,27 +64,45 @@ def denied_note(name: str) -> str:
 
 
 def replaying(
-    tool: Tool, recorded: RecordedResults, outcomes: dict[str, Outcome], *, run_tools: bool
+    tool: Tool, recorded: RecordedResults, outcomes: Outcomes, *, run_tools: bool
 ) -> Tool:
     """``tool`` as a replay offers it (see the module docstring); the outcome of each call
-    is kept in ``outcomes`` by call id."""
+    is noted in ``outcomes``. Every argument reaches the record and the tool as the model
+    gave it: a tool with an argument named ``ctx`` (an MCP server's may have one) is run
+    without a tool context, which the pool would pass under that name."""
     original = tool.function
+    name = tool.name
 
-    async def replay_call(ctx: ToolContext, **arguments: Any) -> Any:
-        result = recorded.take(tool.name, arguments)
+    async def decide(ctx: ToolContext | None, arguments: dict[str, Any]) -> Any:
+        call_id = None if ctx is None else ctx.call_id
+        result = recorded.take(name, arguments)
+        outcome: Outcome = (
+            "same"
+            if result is not None
+            else ("denied" if tool.side_effects and not run_tools else "different")
+        )
+        outcomes.note(outcome, call_id=call_id, name=name, arguments=arguments)
         if result is not None:
-            outcomes[ctx.call_id] = "same"
             if result.is_error:
                 texts = (b.text for b in result.content if isinstance(b, TextBlock))
-                raise ToolFailure(" ".join(texts) or f"{tool.name} failed")
+                raise ToolFailure(" ".join(texts) or f"{name} failed")
             return result.content
-        if tool.side_effects and not run_tools:
-            outcomes[ctx.call_id] = "denied"
-            raise ToolFailure(denied_note(tool.name))
-        outcomes[ctx.call_id] = "different"
+        if outcome == "denied":
+            raise ToolFailure(denied_note(name))
         if tool.takes_ctx:
             return await original(ctx=ctx, **arguments)
         return await original(**arguments)
+
+    if not tool.takes_ctx and CTX in tool.input_schema.get("properties", {}):
+        # The argument is the tool's own: the pool's context would take its place.
+
+        async def replay_own_ctx(**arguments: Any) -> Any:
+            return await decide(None, arguments)
+
+        return attrs.evolve(tool, function=replay_own_ctx, takes_ctx=False)
+
+    async def replay_call(ctx: ToolContext, **arguments: Any) -> Any:
+        return await decide(ctx, arguments)
 
     return attrs.evolve(tool, function=replay_call, takes_ctx=True)
 
@@ -104,7 +128,7 @@ async def replay_session(
     if not tasks:
         raise UsageError(f"session {source_id} has no recorded prompt to replay")
     recorded = RecordedResults(call for task in tasks for call in task.calls)
-    outcomes: dict[str, Outcome] = {}
+    outcomes = Outcomes()
     fork = await host.fork_session(
         source_id,
         tasks[0].prompt_seq - 1,
@@ -126,9 +150,7 @@ async def replay_session(
     )
 
 
-async def _replay_task(
-    session: Session, task: RecordedTask, outcomes: Mapping[str, Outcome]
-) -> ReplayedTask:
+async def _replay_task(session: Session, task: RecordedTask, outcomes: Outcomes) -> ReplayedTask:
     steering = list(task.steering)
     calls: list[ToolCallBlock] = []
     schema = None if task.output_schema is None else recorded_spec(task.output_schema)
@@ -159,8 +181,7 @@ async def _replay_task(
     replay = Side(
         answer=stream.final_text,
         calls=tuple(
-            CallLine(name=c.name, arguments=c.arguments, outcome=outcomes.get(c.id, "different"))
-            for c in calls
+            CallLine(name=c.name, arguments=c.arguments, outcome=outcomes.take(c)) for c in calls
         ),
         tokens=0 if end is None else end.usage.total,
         cost_usd=None if end is None else end.usage.cost_usd,

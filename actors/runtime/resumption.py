@@ -8,6 +8,10 @@ takes the task up where the trace left it, through :func:`take_up`:
 - a prompt recorded without its ``task_start`` (the run was accepted, its host stopped
   before starting it: ``TaskMachine.adopt_unstarted``) gets it now, and its task runs;
 - a compaction in flight is over: ``compaction_end(failed)``;
+- a task its host stopped under while an interrupt ended it (after the cut stream's
+  ``request_end(aborted)``, or after the ``abort``) stays interrupted: the ``abort`` is
+  recorded if it is missing, with what the model had streamed, and the task ends
+  ``aborted`` — nothing of it runs again, nobody is asked (R-ABORT-1, R-TRACE-4);
 - the attempt in flight is rebuilt (:meth:`TurnRunner.resume`): a call that was running
   is in doubt and is resolved — by its tool's check, a person or the host-lost note; it
   runs again only when the check found it not done or a person says so (R-EFFECT-2:
@@ -45,8 +49,13 @@ from greenroom.protocols.people import PEOPLE
 from greenroom.protocols.stream import ModelError
 from greenroom.protocols.structured import recorded_spec
 from greenroom.protocols.task import Phase
+from greenroom.protocols.time_travel import interrupt_rest
 
 __all__ = ["parked_or_lost", "queued_record", "requeue_recorded", "take_up"]
+
+LEFT_INTERRUPTED = "interrupted; its host stopped before the task had ended"
+"""The reason a task taken up inside its interrupt ends with (the interrupt's own is in
+the trace)."""
 
 _OPEN_ATTEMPT = frozenset({Phase.MODEL, Phase.TOOLS, Phase.RETRY, Phase.FAILED})
 """Phases in which the trace leaves an attempt whose calls the task must know again."""
@@ -126,6 +135,8 @@ def take_up(
             TaskStart(session_id=port.id, run_id=run_id, input_seq=prompt.seq,
                       output_schema=prompt.output_schema)
         )
+    elif record.aborting or record.attempt_aborted:
+        _end_interrupted(port, out)
     elif record.phase is Phase.COMPACTING:
         lost = True
         out.emit(
@@ -152,3 +163,27 @@ def take_up(
     if lost and lost_host:
         machine.queue_steering((TextBlock(text=markers.HOST_LOST_CONTINUATION),))
     out.flush()
+
+
+def _end_interrupted(port: SessionPort, out: OutputEmitter) -> None:
+    """The host of ``port``'s open task stopped while an interrupt ended it: record what
+    the interrupt had still to record, and end the task ``aborted`` as the interrupt
+    would have (its ``task_end`` is the task's end's). Taking it up as a stream cut by the
+    lost host would run the interrupted task again."""
+    machine = port.machine
+    reason = machine.stop_reason or LEFT_INTERRUPTED
+    rest = interrupt_rest(
+        machine.record,
+        port.transcript.attempt_blocks,
+        session_id=port.id,
+        reason=reason,
+        most=port.host.trace_log.largest_input(),
+    )
+    for output in rest:
+        out.emit(output)
+    # The interrupt dropped the queue (and recorded it): the follow-ups queued since, as
+    # the trace holds them, still run once the task has ended.
+    queued = machine.queued_tasks
+    machine.interrupt(reason)
+    for task in queued:
+        machine.queue_task(task)

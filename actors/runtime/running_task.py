@@ -528,7 +528,8 @@ class RunningTask:
             if self.task is None or self.turns is None:
                 return  # a manual compaction has no task records
             if status == "aborted":
-                self.turns.abort(reason)
+                if not self._port.machine.record.aborting:  # a taken-up task's is recorded
+                    self.turns.abort(reason)
             elif status == "failed":
                 self.turns.fail(reason)
 

@@ -51,6 +51,7 @@ from greenroom.actors.runtime.storage import ATTACHMENTS_DIR, PRIVATE_DIR_MODE, 
 from greenroom.actors.runtime.trace_store import (
     StoredSessionMissing,
     StoredSessionUnreadable,
+    TraceLog,
     TraceStore,
 )
 from greenroom.protocols.converter import converter, describe_error
@@ -59,8 +60,8 @@ from greenroom.protocols.jsonrpc import settings_problem
 from greenroom.protocols.messages import TraceWritten
 from greenroom.protocols.outputs import Output, Rewind
 from greenroom.protocols.settings import SessionSettings
-from greenroom.protocols.task import fold
-from greenroom.protocols.time_travel import rewind_problem, settlement
+from greenroom.protocols.task import Phase, fold
+from greenroom.protocols.time_travel import failed_output, rewind_problem, settlement
 from greenroom.protocols.tools import Tool
 from greenroom.protocols.transcript import rebuild
 
@@ -74,6 +75,9 @@ __all__ = ["fork", "record", "rewind_to", "settle_fork"]
 ACK_WAIT_S = 30.0
 """How long a rewind waits for a store that acknowledges late (the cluster's) to have its
 records, past a cancellation, before it publishes them."""
+
+_AFTER_AN_ATTEMPT = (Phase.TOOLS, Phase.RETRY, Phase.FAILED)
+"""Where a task stands after an attempt's ``request_end``, before the next one begins."""
 
 _NOT_INHERITED = ("parent_id", "root_id", "origin", "name", "background", "forked_from")
 """What a fork does not take from its source's ``session.json``: a fork is a root session
@@ -174,8 +178,14 @@ async def settle_fork(port: SessionPort) -> None:
     source, seq = port.forked_from or ("?", 0)
     why = f"forked from session {source} at seq {seq}"
     blocks = port.transcript.attempt_blocks
-    most = port.host.trace_log.largest_input()
-    settled = settlement(port.machine.record, blocks, session_id=port.id, reason=why, most=most)
+    log = port.host.trace_log
+    task = port.machine.record
+    failed = None
+    if task.run_id is not None and not task.request_ok and task.phase in _AFTER_AN_ATTEMPT:
+        # The attempt may have failed: what it wrote is in the trace, not in the context.
+        failed = failed_output(await _context_records(log, port.id))
+    settled = settlement(task, blocks, session_id=port.id, reason=why,
+                         most=log.largest_input(), failed=failed)  # fmt: skip
     await record(port, settled)
     await port.sync_trace()
 
@@ -210,6 +220,7 @@ async def rewind_to(port: SessionPort, to_seq: int, reason: str | None = None) -
         session_id=port.id,
         reason=f"rewound to seq {to_seq}",
         most=log.largest_input(),
+        failed=failed_output(kept),
     )
     port.transcript = transcript
     port.machine = machine
@@ -282,6 +293,15 @@ def _wrapping_table(view: McpView, wrap: Callable[[Tool], Tool]) -> LiveToolTabl
     assert isinstance(view, McpBinding)  # what attaching MCP servers gives a session
     table = view.table = WrappingTable()
     return table
+
+
+async def _context_records(log: TraceLog, session_id: str) -> list[Output]:
+    """The records of the session's model context, as loading it reads them."""
+    records = list((await log.read_latest(session_id)).records)
+    if records and isinstance(records[0], Rewind):
+        # A rewind into an earlier context started this trace: its context begins there.
+        records = context_at(await log.read_after(session_id))
+    return records
 
 
 async def _source_meta(store: TraceStore, source_id: str) -> dict[str, Any]:

@@ -24,6 +24,12 @@ such a rewrite is a hook error, as one that is no JSON object is: the call is de
 result saying their size and the limit, and the session goes on (a record too large would
 stop it on its host).
 
+:func:`tool_hook_record` gives the ``tool_hook`` record of what a hook did. A call asked
+anew after its host stopped (a take-up) is decided afresh, and the latest decision is the
+one that runs — then and at any later take-up, which reads it from the trace: when the
+``before_tool`` hook lets such a call be while the trace holds an earlier rewrite of it, a
+rewrite to the arguments it goes on with (the model's) is recorded.
+
 While a hook runs, :func:`hook_site` says whose call it decides — the session and its
 workspace — without widening the hooks' signatures: command hooks run in that workspace
 and give both to their command.
@@ -34,6 +40,7 @@ from __future__ import annotations
 import contextvars
 import json
 import math
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +57,7 @@ from greenroom.protocols.hooks import (
     Rewrite,
     ToolHookAction,
 )
-from greenroom.protocols.outputs import ToolHookName, ToolStatus
+from greenroom.protocols.outputs import ToolHook, ToolHookName, ToolStatus
 from greenroom.protocols.text import repair_json, repair_text
 from greenroom.protocols.trace import record_size
 
@@ -62,6 +69,7 @@ __all__ = [
     "cut_reason",
     "hook_site",
     "tool_hook_calls",
+    "tool_hook_record",
 ]
 
 MAX_REASON_CHARS = 2000
@@ -207,6 +215,40 @@ def tool_hook_calls(
     if hooks.before_tool is None and hooks.after_tool is None:
         return None
     return ToolHookCalls(hooks, HookSite(session_id, workspace), largest_record)
+
+
+def tool_hook_record(
+    action: ToolHookAction | None,
+    call: ToolCallBlock | None,
+    *,
+    session_id: str,
+    run_id: str,
+    call_id: str,
+    calls: Iterable[ToolCallBlock],
+    rewrites: Mapping[str, dict[str, Any]] | None,
+) -> ToolHook | None:
+    """The ``tool_hook`` record of what a tool hook did to ``call_id`` (``action``; None:
+    it let the call or its result be), or None when there is nothing to record. ``call``
+    is the call as a ``before_tool`` decision leaves it, ``calls`` the attempt's (they
+    name its tool), ``rewrites`` the arguments the task's record holds rewrites to
+    (:attr:`~greenroom.protocols.task.TaskRecord.rewrites`). A call decided afresh that
+    the hook lets be, after an earlier rewrite the record holds, is recorded rewritten to
+    its own arguments: the latest decision is the one a later take-up runs (R-HOOK-2)."""
+    earlier = (rewrites or {}).get(call.id) if call is not None else None
+    if action is None and call is not None and earlier not in (None, call.arguments):
+        action = _action("before_tool", "rewrite", arguments=call.arguments)
+    if action is None:
+        return None
+    return ToolHook(
+        session_id=session_id,
+        run_id=run_id,
+        call_id=call_id,
+        tool=next((c.name for c in calls if c.id == call_id), ""),
+        hook=action.hook,
+        action=action.action,
+        arguments=action.arguments,
+        reason=action.reason,
+    )
 
 
 def _action(

@@ -50,6 +50,7 @@ import trio
 from greenroom.actors.runtime.emitter import OutputEmitter, repaired_blocks
 from greenroom.actors.runtime.in_doubt import CallsInDoubt
 from greenroom.actors.runtime.port import SessionPort
+from greenroom.actors.runtime.tool_hooks import tool_hook_record
 from greenroom.protocols import markers
 from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.effects import idempotency_key
@@ -76,7 +77,6 @@ from greenroom.protocols.outputs import (
     PartialThinking,
     PartialToolCall,
     TokenUsageOutput,
-    ToolHook,
     ToolStatus,
 )
 from greenroom.protocols.people import answer_problem, arguments_digest
@@ -327,22 +327,14 @@ class TurnRunner:
     ) -> None:
         """Record what a tool hook did to ``call_id`` (R-HOOK-2); a rewritten ``call`` is
         the one that runs."""
-        if action is None:
+        hooked = tool_hook_record(
+            action, call, session_id=self._port.id, run_id=self.run_id, call_id=call_id,
+            calls=self.machine.calls(), rewrites=self._port.machine.record.rewrites,
+        )  # fmt: skip
+        if hooked is None:
             return
-        tool = next((c.name for c in self.machine.calls() if c.id == call_id), "")
-        self._emitter.emit(
-            ToolHook(
-                session_id=self._port.id,
-                run_id=self.run_id,
-                call_id=call_id,
-                tool=tool,
-                hook=action.hook,
-                action=action.action,
-                arguments=action.arguments,
-                reason=action.reason,
-            )
-        )
-        if action.action == "rewrite" and call is not None:
+        self._emitter.emit(hooked)
+        if hooked.action == "rewrite" and call is not None:
             self._run_as(call)
 
     def _run_as(self, call: ToolCallBlock) -> None:
