@@ -795,6 +795,14 @@ class TaskRecord:
                 self.phase = Phase.FAILED
                 if self.auth_locked is not None:
                     self.failure = ("auth", self.auth_locked)
+                elif self.failure is not None and output.error_message:
+                    # The task's end says why the turn could not go on, not only that it
+                    # overflowed: the compaction's failure is the news.
+                    self.failure = (
+                        self.failure[0],
+                        f"{self.failure[1] or 'the context overflowed'}; compacting the "
+                        f"context failed: {output.error_message}",
+                    )
             return
         self.phase = Phase.STARTED
         self.compacted_before_turn = True

@@ -190,4 +190,7 @@ async def test_a_summary_request_that_never_fits_fails_the_compaction_after_boun
     sizes = [len(r.raw_body) for r in tries]
     assert sizes == sorted(set(sizes), reverse=True), sizes  # each try smaller
     assert outputs[-1].status == "failed"
+    # The task's end says the compaction failed, not only that the turn overflowed.
+    task_message = outputs[-1].message or ""
+    assert "compacting the context failed: the summary request " in task_message, task_message
     assert [f.name for f in files] == ["trace_001.jsonl"]
