@@ -795,20 +795,25 @@ class TaskRecord:
                 self.phase = Phase.FAILED
                 if self.auth_locked is not None:
                     self.failure = ("auth", self.auth_locked)
-                elif self.failure is not None and output.error_message:
-                    # The task's end says why the turn could not go on, not only that it
-                    # overflowed: the compaction's failure is the news.
-                    self.failure = (
-                        self.failure[0],
-                        f"{self.failure[1] or 'the context overflowed'}; compacting the "
-                        f"context failed: {output.error_message}",
-                    )
+                elif self.failure is not None:
+                    self.failure = _compaction_failed(self.failure, output.error_message)
             return
         self.phase = Phase.STARTED
         self.compacted_before_turn = True
         if output.status != "ok" and output.error_kind == "auth":
             self.phase = Phase.FAILED
             self.failure = ("auth", self.auth_locked)
+
+
+def _compaction_failed(
+    failure: tuple[str, str | None], error: str | None
+) -> tuple[str, str | None]:
+    """The failure of a turn whose overflow compaction failed with ``error``: the task's
+    end says why the turn could not go on, not only that it overflowed."""
+    if not error:
+        return failure
+    said = failure[1] or "the context overflowed"
+    return failure[0], f"{said}; compacting the context failed: {error}"
 
 
 class TaskMachine:
