@@ -1,13 +1,16 @@
 """The admission point of a provider endpoint: every model request passes it before it is
 sent (R-SHARE-1, R-SHARE-2).
 
-A host keeps one :class:`EndpointAdmission` per provider client — one endpoint and
-credential (:class:`~greenroom.actors.runtime.provider_clients.ProviderClients` makes one
-client per provider and base URL; a provider object a program passes is a client of its
-own) — in its :class:`ProviderAdmissions`. Every session, subagent, compaction and title
-request that uses the client asks it, through the session's :class:`Requester`, in the
-LLM streamer: after the attempt's backoff sleep, before the request goes out. The
-:class:`RequestPermit` it gives is held until the request has ended.
+A host keeps one :class:`EndpointAdmission` per endpoint and credential in its
+:class:`ProviderAdmissions`: the provider clients that name the same endpoint
+(``endpoint_identity``: provider, base URL, a hash of the key) share one, whether the
+host made them (:class:`~greenroom.actors.runtime.provider_clients.ProviderClients`, one
+per provider and base URL as written) or a program passed them; a client that names none
+(the scripted model, a program's own adapter) has one of its own. Every session,
+subagent, compaction and title request that uses the client asks it, through the
+session's :class:`Requester`, in the LLM streamer: after the attempt's backoff sleep,
+before the request goes out. The :class:`RequestPermit` it gives is held until the
+request has ended.
 
 What holds for all of an endpoint's requests together:
 
@@ -20,7 +23,8 @@ What holds for all of an endpoint's requests together:
   when nothing else is counted in the window, so that it is never starved.
 * **Limits learned from the provider**, configured limits or not. A 429 or 529 answer
   pauses the endpoint for the wait the provider asked (``retry-after``, or a rate-limit
-  reset header: :func:`~greenroom.protocols.retry.parse_retry_after`), so that the other
+  reset header: :func:`~greenroom.protocols.retry.parse_retry_after`; never longer than
+  its cap, :data:`~greenroom.protocols.retry.RETRY_AFTER_CAP_S`), so that the other
   sessions wait instead of each retrying into it, and sets the endpoint's concurrency
   window to what it was seen to bear: the most requests it accepted at once since its last
   such answer, or, when more, the requests still in flight beside the refused one. Before
@@ -35,8 +39,8 @@ What holds for all of an endpoint's requests together:
 
 A wait is the caller's: it ends when the caller is cancelled (an interrupt ends the task
 at once) and nothing is left behind — a request admitted just as its caller was cancelled
-gives its place back. Waiting never fails; the streamer's own rules decide what a failed
-attempt is (R-RETRY).
+gives its place back, and counts in no per-minute limit. Waiting never fails; the
+streamer's own rules decide what a failed attempt is (R-RETRY).
 
 Hosts that share limits (a cluster's, R-SHARE-1 across hosts) give
 :class:`ProviderAdmissions` a :class:`SharedEndpoints`: each endpoint's admission point is
@@ -62,6 +66,7 @@ import trio
 from greenroom.protocols.content import TextBlock, ThinkingBlock, ToolCallBlock
 from greenroom.protocols.context import ModelRequest, ToolResult
 from greenroom.protocols.errors import ConfigurationError
+from greenroom.protocols.retry import RETRY_AFTER_CAP_S
 from greenroom.protocols.stream import (
     MessageCompleted,
     ModelError,
@@ -182,8 +187,10 @@ class _MinuteWindow:
 
     def has_room(self, amount: int, now: float) -> bool:
         entries = self.entries
-        horizon = now - WINDOW_S
-        while entries and entries[0].at <= horizon:
+        # ``at + WINDOW_S``, as :meth:`room_at` says it: ``now - WINDOW_S`` rounds apart
+        # from it, and a waiter woken at ``room_at`` would find no room and sleep until
+        # that same instant again, for ever.
+        while entries and entries[0].at + WINDOW_S <= now:
             gone = entries.popleft()
             gone.live = False
             self.total -= gone.amount
@@ -257,7 +264,7 @@ class RequestPermit:
     :meth:`rate_limited` directly."""
 
     __slots__ = ("_admission", "_released", "input_counted", "is_accepted", "output_counted",
-                 "past_pause", "watching")
+                 "past_pause", "request_counted", "watching")
 
     def __init__(self, admission: PermitReports) -> None:
         self._admission = admission
@@ -271,6 +278,8 @@ class RequestPermit:
         """Its estimated input tokens as counted in the endpoint's window, if counted."""
         self.output_counted: _Counted | None = None
         """Its estimated output tokens as counted in the endpoint's window, if counted."""
+        self.request_counted: _Counted | None = None
+        """It, as counted in the endpoint's requests-per-minute window, if counted."""
 
     def observe(self, events: list[StreamEvent]) -> list[StreamEvent]:
         """The request's first batch, or a batch that ends it: what the endpoint learns
@@ -318,7 +327,9 @@ class RequestPermit:
         if not self.is_accepted:
             self._admission.settle(self, 0, 0)
         pause = self._admission.pause_remaining()
-        if pause > 0 and (error.retry_after_s or 0.0) < pause:
+        asked = error.retry_after_s
+        # An endless or NaN wait is no wait to the retry policy: the pause replaces it.
+        if pause > 0 and not (asked is not None and math.isfinite(asked) and asked >= pause):
             return attrs.evolve(error, retry_after_s=pause)
         return error
 
@@ -452,9 +463,17 @@ class EndpointAdmission:
 
     def admit_past_pause(self) -> RequestPermit | None:
         """A place at once for a request a person asked to send now (R-RETRY-5: "retry
-        now"), whatever pause the provider asked for, within the concurrency cap; else
-        None (nothing taken)."""
+        now"), whatever pause the provider asked for, within the concurrency cap and the
+        per-minute limits; else None (nothing taken): then the request waits its turn.
+        Only the provider's pause is gone past: with none in force there is nothing to go
+        past, and with a token limit the request's estimate is needed, which only
+        :meth:`admit` takes."""
+        if self.pause_remaining() <= 0 or self._input is not None or self._output is not None:
+            return None
         if self._in_flight >= self._limit:
+            return None
+        requests = self._requests
+        if requests is not None and not requests.has_room(1, trio.current_time()):
             return None
         permit = self._grant(0, 0)
         permit.past_pause = True
@@ -487,8 +506,21 @@ class EndpointAdmission:
                 self._leave(waiter)
                 self._dispatch()
             else:
-                granted.release()
+                self._give_back(granted)
             raise
+
+    def _give_back(self, permit: RequestPermit) -> None:
+        """Release a place granted to a request that will never be sent (its caller was
+        cancelled as it was granted): it counts in no per-minute window either, or its
+        estimate would hold others back for a minute."""
+        for window, counted in (
+            (self._requests, permit.request_counted),
+            (self._input, permit.input_counted),
+            (self._output, permit.output_counted),
+        ):
+            if window is not None and counted is not None:
+                window.settle(counted, 0)
+        permit.release()
 
     def _fits(self, input_tokens: int, output_tokens: int) -> bool:
         """Whether a request with these estimates may go now; when not, ``_ready_at`` is
@@ -524,7 +556,7 @@ class EndpointAdmission:
         if self._timed:
             now = trio.current_time()
             if self._requests is not None:
-                self._requests.add(1, now)
+                permit.request_counted = self._requests.add(1, now)
             if self._input is not None:
                 permit.input_counted = self._input.add(input_tokens, now)
             if self._output is not None:
@@ -615,17 +647,19 @@ class EndpointAdmission:
         self._growing = False
         self._learned_at = now
         self._peak = self._accepted - (1 if permit.is_accepted else 0)
-        if retry_after_s is not None and retry_after_s > 0:
-            self._paused_until = max(self._paused_until, now + retry_after_s)
+        seconds = _pause_of(retry_after_s)
+        if seconds:
+            self._paused_until = max(self._paused_until, now + seconds)
             self._timed = True
             if self.on_pause is not None:
-                self.on_pause(retry_after_s)
+                self.on_pause(seconds)
 
     def pause_for(self, seconds: float) -> None:
         """Pause the endpoint for ``seconds`` from now (unless a longer pause is in force),
         as a rate-limit answer would, without learning a window from it: another host of
         a cluster got the answer."""
-        if seconds > 0:
+        seconds = _pause_of(seconds)
+        if seconds:
             self._paused_until = max(self._paused_until, trio.current_time() + seconds)
             self._timed = True
             if self._waiting:
@@ -641,6 +675,16 @@ class EndpointAdmission:
 
     def _has_windows(self) -> bool:
         return self._requests is not None or self._input is not None or self._output is not None
+
+
+def _pause_of(seconds: float | None) -> float:
+    """The pause a rate-limit answer's wait makes: at most :data:`~greenroom.protocols.
+    retry.RETRY_AFTER_CAP_S`, as a session's own retry waits; 0 (none) for no wait, a
+    negative one or NaN. The codecs' waits are already so; a program's own provider may
+    pass anything, and an endless pause would stop every session of the endpoint."""
+    if seconds is None or not seconds > 0:
+        return 0.0
+    return min(seconds, RETRY_AFTER_CAP_S)
 
 
 def _window_of(limit: int | None) -> _MinuteWindow | None:
@@ -714,10 +758,14 @@ class Requester:
 
 
 class ProviderAdmissions:
-    """A host's admission points, one per provider client, all under ``limits``; with
-    ``shared``, the points that hold for the hosts that share them (a cluster's)."""
+    """A host's admission points, one per endpoint and credential, all under ``limits``;
+    with ``shared``, the points that hold for the hosts that share them (a cluster's).
+    Provider objects that name their endpoint (``endpoint_identity``: provider, base URL,
+    a hash of the key) share one point when they name the same — the host's clients made
+    for ``base_url`` None and for the provider's default URL, a program's own objects
+    for one endpoint and key; another object is a point of its own."""
 
-    __slots__ = ("_by_client", "limits", "shared")
+    __slots__ = ("_by_client", "_by_endpoint", "limits", "shared")
 
     def __init__(
         self, limits: ProviderLimits | None = None, shared: SharedEndpoints | None = None
@@ -725,14 +773,21 @@ class ProviderAdmissions:
         self.limits = limits or NO_LIMITS
         self.shared = shared
         self._by_client: dict[int, tuple[object, AdmissionPoint]] = {}
+        self._by_endpoint: dict[str, AdmissionPoint] = {}
 
     def of(self, client: object) -> AdmissionPoint:
         """The admission point of ``client`` (a provider object), made on first use."""
         found = self._by_client.get(id(client))
         if found is not None and found[0] is client:
             return found[1]
-        local = EndpointAdmission(self.limits)
-        admission = local if self.shared is None else self.shared.admission(client, local)
+        identity = getattr(client, "endpoint_identity", None)
+        endpoint = identity if isinstance(identity, str) else None
+        admission = None if endpoint is None else self._by_endpoint.get(endpoint)
+        if admission is None:
+            local = EndpointAdmission(self.limits)
+            admission = local if self.shared is None else self.shared.admission(client, local)
+            if endpoint is not None:
+                self._by_endpoint[endpoint] = admission
         # The client is kept with its admission so that its id cannot be reused meanwhile.
         self._by_client[id(client)] = (client, admission)
         return admission
