@@ -24,7 +24,8 @@ with optional keys on both: ``"parallel": true | false | ["tool", …]`` (which 
 beside other calls; without it the server's ``readOnlyHint`` decides: R-MCP-2),
 ``"timeout_s": N`` (how long one call may take, default :data:`DEFAULT_TIMEOUT_S`) and
 ``"scope": "host" | "session"`` (one process per host shared by its sessions, the default,
-or one per session).
+or one per session) and Cline's and Roo Code's ``"disabledTools": ["tool", …]`` (tools of
+the server that are not offered to the model).
 
 Everything here is pure: the caller reads the file and passes its text. Every problem is an
 :class:`McpConfigError` whose message names the source and the JSON path
@@ -57,16 +58,14 @@ _NOTED_KEYS = {
     "timeout": 'greenroom\'s limit on one call is "timeout_s"',
     "networkTimeout": 'greenroom\'s limit on one call is "timeout_s"',
     "watchPaths": "greenroom does not restart a server when files change",
-    "disabledTools": "greenroom offers every tool the server lists; its approval decides "
-                     "each call",
     "dev": "VS Code's development mode (watch, debug) is not supported",
 }
 """Keys other clients write (Cline, Roo Code, VS Code) that greenroom reads past with a
 note saying why: the entry loads, as the client that wrote it would load it, without what
 the key asks for."""
 _KNOWN_KEYS = ("type", "transportType", "command", "args", "env", "envFile", "cwd", "url",
-               "headers", "parallel", "timeout_s", "scope", "disabled", *_IGNORED_KEYS,
-               *_NOTED_KEYS)
+               "headers", "parallel", "timeout_s", "scope", "disabled", "disabledTools",
+               *_IGNORED_KEYS, *_NOTED_KEYS)
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _TRANSPORTS = {"stdio": "stdio", "http": "http", "streamable-http": "http",
                "streamableHttp": "http", "sse": "sse"}
@@ -98,6 +97,14 @@ class McpServerConfig:
     """VS Code's ``envFile``: read when the server starts, its ``KEY=VALUE`` lines under
     ``env`` (see :func:`env_file_values`). From a configuration file it is resolved against
     the file's workspace (:func:`parse_config_text`); otherwise it is as written."""
+    disabled_tools: frozenset[str] = frozenset()
+    """Cline's and Roo Code's ``disabledTools``: the server's tools the user turned off.
+    They are not offered to the model, so a call of one is a call of an unknown tool."""
+    env_file_noted: str | None = attrs.field(default=None, eq=False, repr=False)
+    """Why ``env_file`` could not be loaded when the configuration was read, once that was
+    reported with the configuration's other problems (see
+    :func:`~greenroom.actors.tools.mcp_config.load_config_files`): a start that meets the
+    same problem does not report it again. Not part of the configuration's identity."""
 
     def is_parallel(self, tool: str, read_only_hint: bool | None) -> bool:
         """Whether ``tool`` may share the pool's slots (R-MCP-2): the configuration when
@@ -321,6 +328,9 @@ def _parse_server(name: Any, entry: Any, *, source: str, path: str) -> McpServer
                      f'expected "stdio", "http" or "sse", got {given!r}')
     common: dict[str, Any] = {
         "name": name,
+        "disabled_tools": frozenset(
+            _strings(entry.get("disabledTools", []), source, f"{path}.disabledTools")
+        ),
         "parallel": _parallel(entry.get("parallel"), source, f"{path}.parallel"),
         "timeout_s": _timeout(entry.get("timeout_s"), source, f"{path}.timeout_s"),
         "scope": _scope(entry.get("scope"), source, f"{path}.scope"),

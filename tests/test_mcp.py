@@ -1318,7 +1318,8 @@ def test_entries_as_cline_roo_code_and_vscode_write_them_load_with_notes() -> No
     """R-MCP-6: "Configurations of the common clients load". Cline writes a server's
     ``timeout``, Roo Code ``watchPaths``, ``disabledTools`` and ``networkTimeout``, VS Code
     ``envFile`` and ``dev``: each such entry was skipped as having an unknown key. They
-    load; a key greenroom does without is a note saying why; ``envFile`` is resolved
+    load; a key greenroom does without is a note saying why (``disabledTools`` is
+    honoured: tests/test_mcpfix_mcp.py); ``envFile`` is resolved
     against the file's workspace; a misspelt key is still an error."""
     notes: list[str] = []
     cline = parse_config_text(json.dumps({"mcpServers": {
@@ -1334,8 +1335,6 @@ def test_entries_as_cline_roo_code_and_vscode_write_them_load_with_notes() -> No
         '"timeout_s")',
         "cline.json: $.mcpServers.roo.watchPaths: ignored (greenroom does not restart a "
         "server when files change)",
-        "cline.json: $.mcpServers.roo.disabledTools: ignored (greenroom offers every tool "
-        "the server lists; its approval decides each call)",
         "cline.json: $.mcpServers.roo.networkTimeout: ignored (greenroom's limit on one "
         'call is "timeout_s")',
     ]

@@ -120,13 +120,22 @@ def pending_of(port: SessionPort) -> list[PendingApproval]:
     """The requests of ``port``'s open task that wait for a person
     (:func:`~greenroom.protocols.people.waiting_requests`)."""
     record = port.machine.record
-    return waiting_requests(
+    waiting = waiting_requests(
         record.pending_people,
         record.allowed,
         session_id=port.id,
         origin=port.origin_path,
         running=port.inbox is not None,
     )
+    # A question of the session's MCP server (an allowed call's) is answerable only while
+    # that server waits for it here: a supervisor that took the task up after a restart
+    # runs no call yet, and the server that asked went with the host that stopped
+    # (R-HITL-5). A subagent's are its parent's servers (no view of its own): as before.
+    mcp = port.mcp
+    return [p for p in waiting if not (
+        mcp is not None and p.kind == "question" and p.call_id in record.allowed
+        and p.tool.startswith("mcp__") and not mcp.asks(p.call_id)
+    )]  # fmt: skip
 
 
 @attrs.frozen

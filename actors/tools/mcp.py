@@ -32,7 +32,8 @@ call or several in flight, with nobody to ask (the task's calls are not decided 
 and for URL mode, it is declined. The time a person takes does not count against the call's
 ``timeout_s``. A question lasts only as long as its call: a call cannot outlive the host
 that runs it, so a host that stops while a question waits leaves the call in doubt when the
-task resumes (R-EFFECT-2), and the question is settled with it.
+task resumes (R-EFFECT-2), and the question is settled with it; until then nobody can answer
+it, and it is listed only while its server waits for it here (:meth:`McpBinding.asks`).
 
 OAuth (R-MCP-5): an HTTP server that asks for authorization gets the token ``greenroom mcp
 login`` stored for its URL, refreshed when it expires or is refused
@@ -77,7 +78,12 @@ from mcp.shared.exceptions import MCPError
 from greenroom.actors.tools.mcp_auth import STORE_NAME, StoredTokenAuth, auth_for
 from greenroom.actors.tools.mcp_bounds import bounded_http_client, bounded_sse_client
 from greenroom.actors.tools.mcp_commands import READ_RESOURCE
-from greenroom.actors.tools.mcp_config import as_configs, load_config_files
+from greenroom.actors.tools.mcp_config import (
+    EnvFileProblem,
+    as_configs,
+    load_config_files,
+    read_env_file,
+)
 from greenroom.actors.tools.mcp_extras import (
     McpPromptInfo,
     McpResourceInfo,
@@ -91,12 +97,11 @@ from greenroom.actors.tools.mcp_extras import (
 from greenroom.actors.tools.mcp_stdio import bounded_stdio_client
 from greenroom.protocols.content import ImageBlock, TextBlock, ToolContent
 from greenroom.protocols.context import ToolSchema
-from greenroom.protocols.effects import MCP_META_KEY
+from greenroom.protocols.effects import MCP_META_KEY, idempotency_key
 from greenroom.protocols.hooks import Hooks
 from greenroom.protocols.mcp_config import (
     McpConfigError,
     McpServerConfig,
-    env_file_values,
     schema_problem,
     tool_name,
     tool_name_problem,
@@ -437,7 +442,7 @@ class McpConnection:
             stack.callback(errlog.close)
             env = dict(config.env)
             if config.env_file is not None:
-                env = {**await _env_file(self.name, config.env_file), **env}  # env wins
+                env = {**await _env_file(config), **env}  # env wins
             params = StdioServerParameters(
                 command=config.command,
                 args=list(config.args),
@@ -515,14 +520,13 @@ class McpConnection:
             finally:
                 call.questions.discard(waiting)
                 call.resume_timeout()
-        if answer is None or answer.action == "cancel":
-            return mcp_types.ElicitResult(action="cancel")
-        if answer.action == "decline" or answer.text is None:
-            return mcp_types.ElicitResult(action="decline")
-        content = form_content(schema, answer.text)
-        if isinstance(content, str):  # checked when the answer was taken; never here
-            return mcp_types.ElicitResult(action="decline")
-        return mcp_types.ElicitResult(action="accept", content=content)
+        return _elicit_result(schema, answer)
+
+    def asks(self, key: str) -> bool:
+        """Whether the call in flight here with idempotency key ``key`` waits for the answer
+        to a question its server asked (an elicitation put to people: R-HITL-5)."""
+        calls = self._live.calls if self._live is not None else ()
+        return any(c.questions and c.ctx and c.ctx.idempotency_key == key for c in calls)
 
     def _asker(
         self, params: mcp_types.ElicitRequestParams
@@ -601,7 +605,7 @@ class McpConnection:
             return cached[1]
         built: list[Tool] = []
         warnings: list[str] = []
-        for info in self.tools or ():
+        for info in _offered(self.config, self.tools or ()):
             problem = tool_name_problem(self.name, info.name) or schema_problem(
                 info.input_schema
             )
@@ -609,8 +613,8 @@ class McpConnection:
                 warnings.append(f"MCP server {self.name!r}: tool {info.name!r} skipped: {problem}")
                 continue
             built.append(self._tool(info))
-        listed = {info.name for info in self.tools or ()}
-        if self.resources and READ_RESOURCE not in listed:  # the server's own tool wins
+        taken = {info.name for info in self.tools or ()} | self.config.disabled_tools
+        if self.resources and READ_RESOURCE not in taken:  # the server's own, or disabled
             built.append(read_resource_tool(self.name, self.resources, self.read_resource))
         for warning in warnings:
             log.warning("%s", warning)
@@ -680,6 +684,12 @@ class McpConnection:
             await live.ended.wait()
 
 
+def _offered(config: McpServerConfig, tools: tuple[McpToolInfo, ...]) -> list[McpToolInfo]:
+    """The listed ``tools`` the configuration does not disable (``disabledTools``): a
+    disabled tool is never offered to the model, so a call of it is an unknown tool's."""
+    return [info for info in tools if info.name not in config.disabled_tools]
+
+
 async def _fetch_tools(session: ClientSession) -> tuple[McpToolInfo, ...]:
     """Every tool the server lists (``tools/list``, all pages)."""
     tools: list[McpToolInfo] = []
@@ -701,6 +711,21 @@ async def _fetch_tools(session: ClientSession) -> tuple[McpToolInfo, ...]:
         if not cursor:
             break
     return tuple(tools)
+
+
+def _elicit_result(
+    schema: dict[str, Any], answer: QuestionAnswered | None
+) -> mcp_types.ElicitResult:
+    """What the server's elicitation gets for a person's ``answer`` (None: nobody answered
+    before the call ended): the content of the requested ``schema`` it gives, or why not."""
+    if answer is None or answer.action == "cancel":
+        return mcp_types.ElicitResult(action="cancel")
+    if answer.action == "decline" or answer.text is None:
+        return mcp_types.ElicitResult(action="decline")
+    content = form_content(schema, answer.text)
+    if isinstance(content, str):  # checked when the answer was taken; never here
+        return mcp_types.ElicitResult(action="decline")
+    return mcp_types.ElicitResult(action="accept", content=content)
 
 
 def _lost_message(server: str, live: _Live, what: str) -> str:
@@ -748,25 +773,18 @@ async def _call_tool(
     return result
 
 
-async def _env_file(server: str, name: str) -> dict[str, str]:
+async def _env_file(config: McpServerConfig) -> dict[str, str]:
     """The variables of a stdio server's ``envFile`` (R-MCP-6), read at each start as VS
     Code reads it. One that cannot be read, or is not simple ``KEY=VALUE`` lines, is
     noted (logger ``greenroom.mcp``) and the server starts without it, as the entry
-    would load without the key."""
-    path = trio.Path(name)
+    would load without the key; a problem already reported with the configuration's
+    (``env_file_noted``) is not noted again."""
+    assert config.env_file is not None
     try:
-        if "${" in name:
-            raise ValueError("its ${…} variables other than ${workspaceFolder} are "
-                             "not expanded")
-        path = await path.expanduser()
-        return env_file_values(await path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        if isinstance(exc, UnicodeDecodeError):
-            why = "it is not UTF-8 text"
-        else:
-            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        log.warning("MCP server %r: its envFile %s is not loaded (%s); it starts "
-                    "without it", server, path, why)
+        return await trio.to_thread.run_sync(read_env_file, config.env_file)
+    except EnvFileProblem as problem:
+        level = logging.DEBUG if problem.why == config.env_file_noted else logging.WARNING
+        log.log(level, "MCP server %r: %s; it starts without it", config.name, problem)
         return {}
 
 
@@ -1122,6 +1140,14 @@ class McpBinding:
             if connection.name == server:
                 return await connection.get_prompt(prompt, dict(arguments))
         raise McpServerError(f"no MCP server {server!r} in this session")
+
+    def asks(self, call_id: str) -> bool:
+        """Whether one of the session's servers waits now, in the session's call
+        ``call_id`` running here, for a person's answer to its question (R-HITL-5): the
+        call is known by its idempotency key, which no call of another session shares."""
+        session = self._session
+        key = idempotency_key(session.id, session.machine.record.call_seq(call_id), call_id)
+        return any(connection.asks(key) for connection in self._connections)
 
     def detach(self) -> None:
         """Stop listening to the servers' tool changes; the session's workspace stops
