@@ -72,6 +72,7 @@ from greenroom.actors.runtime.tree import (
     LiveChild,
     children_of,
     end_subtree,
+    forget_finished,
     stopped_running,
     tell,
 )
@@ -301,7 +302,7 @@ class ChildReports:
             # it, as a live child does (``load_session`` opens it again). In a cluster too:
             # its host releases it, and answers the calls on their way to it meanwhile.
             await port.wait_idle()
-            self._host.forget_child(port)
+            forget_finished(port)
             place = self._places.pop(port.id, None)
             if place is not None and place.cut:
                 return  # its parent's tree interrupt ended it: its answer is for nobody

@@ -5,7 +5,8 @@ an answer delivered to the task that waits for it.
 (:class:`~greenroom.actors.runtime.people_desk.PeopleDesk`) and, when a request's wait
 runs out, resolves it by the session's
 ``approval_timeout_action`` — ``deny`` answers it with a deny by ``default``, ``abort``
-interrupts the task — if it is still pending. :func:`pending_of` lists a session's waiting
+interrupts the task (scope ``node``: its background subagents run on) — if it is still
+pending. :func:`pending_of` lists a session's waiting
 requests and :attr:`People.stored` those of stored sessions, read from their traces
 without loading them (each trace again only once it changed); :func:`answer` hands a
 person's answer to the session's work (waking a parked task: R-HITL-3) and returns once it
@@ -106,10 +107,14 @@ class People:
             return  # answered, and the call asked again since: that wait has its own
         settings = port.settings
         if settings.approval_timeout_action == "abort":
+            # The limit is that task's: it ends with its foreground children, as an
+            # interrupt of scope node ends it; its background subagents, with requests and
+            # limits of their own, run on and answer it as follow-ups (R-HITL-1, R-TREE-2).
             port.deliver(
                 InterruptTask(
                     reason=f"nobody answered the request about {request.tool} "
-                    f"(call {call_id}) within {settings.approval_timeout_s:g} s"
+                    f"(call {call_id}) within {settings.approval_timeout_s:g} s",
+                    scope="node",
                 )
             )
         else:

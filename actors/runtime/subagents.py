@@ -71,7 +71,13 @@ import trio
 
 from greenroom.actors.runtime.errors import SessionNotFound
 from greenroom.actors.runtime.port import Approval, SessionPort, TaskInput
-from greenroom.actors.runtime.tree import Children, children_of, forward_up, tell
+from greenroom.actors.runtime.tree import (
+    Children,
+    children_of,
+    forget_finished,
+    forward_up,
+    tell,
+)
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.messages import InterruptTask, SubagentFinished
 from greenroom.protocols.outputs import (
@@ -299,7 +305,7 @@ class Subagents:
                     outputs_send.close()
         finally:
             children.remove(child.id)
-            self._parent.host.forget_child(child)
+            forget_finished(child)
         return watch.result()
 
     def _start_background(
@@ -322,7 +328,7 @@ class Subagents:
             finally:
                 entry = children.remove(child.id)
                 children.slots.release()
-                host.forget_child(child)
+                forget_finished(child)
                 # No end: the host closed while the child's task waited for people; the
                 # task is open in its trace, and whoever takes it up reports its answer.
                 # A closing host starts no follow-up in the parent.

@@ -57,6 +57,7 @@ __all__ = [
     "LiveChild",
     "children_of",
     "end_subtree",
+    "forget_finished",
     "forward_up",
     "forward_up_while_open",
     "hand_up",
@@ -227,6 +228,17 @@ def end_subtree(port: SessionPort, reason: str) -> bool:
         child.cut = True
         hit = child.port.deliver(InterruptTask(reason=reason, scope="tree")) or hit
     return hit
+
+
+def forget_finished(child: SessionPort) -> None:
+    """``child``'s work as a subagent has ended, its answer handed on (or for nobody): its
+    session leaves the host's open sessions (``forget_child``; ``load_session`` opens it
+    again). Not when a supervisor runs it again: someone started a task on it as its last
+    one ended (a host that reacts to a ``task_end`` finds the session idle by then). That
+    task is theirs, run in the session open here as any session's, to its end; its parent
+    has had its answer and hears nothing more of it (R-TREE-1, R-TREE-2)."""
+    if child.inbox is None:
+        child.host.forget_child(child)
 
 
 def stopped_running(parent: SessionPort, child: SessionPort) -> None:
