@@ -17,7 +17,8 @@ first of these that applies (:func:`first_resolver`):
 
 1. ``check`` — the tool declares ``@tool(check=fn)``: ``fn(key)`` asks the outside world.
    A result is the call's result; None means it did not happen, and the call runs once
-   more with the same key. A check that raises or runs out of time falls through.
+   more with the same key. A check that raises or runs out of time falls through, and so
+   does one that answers a ``bool`` or an awaitable (:func:`check_answer_problem`).
 2. ``note`` — an idempotent tool (running it again is safe: R-CLUSTER-2) or one without
    side effects, or one the session no longer has: the model is told the call was lost
    and was not run again (an idempotent tool's note says calling it again is safe).
@@ -33,6 +34,7 @@ Each resolution is one ``call_resolved`` record (``by``, ``outcome``): exactly o
 from __future__ import annotations
 
 import hashlib
+import inspect
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -48,6 +50,7 @@ __all__ = [
     "IN_DOUBT_RUN_AGAIN",
     "MCP_META_KEY",
     "Resolver",
+    "check_answer_problem",
     "first_resolver",
     "idempotency_key",
     "in_doubt_question",
@@ -90,6 +93,24 @@ def idempotency_key(session_id: str, seq: int | None, call_id: str) -> str:
     ``session_id`` (see the module docstring): ``gr-`` and 32 hex digits."""
     facts = f"{session_id}\n{seq if seq is not None else ''}\n{call_id}"
     return "gr-" + hashlib.sha256(facts.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def check_answer_problem(value: Any) -> str | None:
+    """Why ``value``, what a tool's check answered, is no answer; None when it is one (a
+    result, or None). ``True`` and ``False`` say whether something happened, not what
+    it reported: taken as a result, ``False`` (meant as *not found*) told the model the
+    payment was made; taken as *not done*, a guess would run a call again — so neither.
+    An awaitable is a check that forgot an ``await`` (it is closed, never run)."""
+    if isinstance(value, bool):
+        return (
+            f"the check answered {value}: it must answer the effect it found (text, content "
+            "or a ToolResult), or None when there is none"
+        )
+    if inspect.isawaitable(value):
+        if inspect.iscoroutine(value):
+            value.close()  # never awaited: no warning, nothing run
+        return f"the check answered an awaitable ({type(value).__name__}): it lacks an await"
+    return None
 
 
 def first_resolver(tool: Tool | None, *, people: bool, check_failed: bool) -> Resolver:

@@ -437,7 +437,7 @@ class Host:
         by ``hand_over`` (a cluster host's) or taken up by the next host: nothing re-run,
         no request wasted. Returns within ``grace_s`` the ids of the sessions held so."""
         self.draining = True
-        return await drain_sessions(list(self._ports.values()), grace_s, self.hand_over)
+        return await drain_sessions(self._ports.values(), grace_s, self.hand_over)
 
     async def aclose(self) -> None:
         """Close every session (concurrently) and the provider clients."""

@@ -13,8 +13,9 @@ first that can (:func:`~greenroom.protocols.effects.first_resolver`):
 - a person, where the task's requests go to people: an ``approval_request`` of kind
   ``in_doubt`` that waits in the trace like any (R-HITL-1: across restarts, parked while
   nothing else runs) and is answered as ``ask_user`` is — ``host.answer_question``, the
-  gateway's ``answer``, ``greenroom answer`` — with *done*, *not done* or *run again*;
-  nobody answering within the session's timeout leaves the model the note;
+  gateway's ``answer``, ``greenroom answer`` — with *done*, *not done* or *run again*
+  (refused where the session has no such tool: it could not run again); nobody
+  answering within the session's timeout leaves the model the note;
 - the note: the host-lost result, not run again.
 
 A call a ``before_tool`` hook rewrote is checked, shown to a person and run once more as
@@ -288,6 +289,13 @@ class CallsInDoubt:
             return (
                 f"call {call_id!r} is in doubt: answer whether it took effect with one of "
                 f"{choices}"
+            )
+        if outcome == "rerun" and request.tool not in self._port.tool_by_name:
+            # Taken, the record said it ran again while the model got "unknown tool": the
+            # first run's effect, still unknown, hidden behind an error that says nothing.
+            return (
+                f"call {call_id!r} cannot run again here: session {self._port.id} has no "
+                f"tool {request.tool!r} (open it with that tool, or answer done or not done)"
             )
         status: ToolStatus = "ok" if outcome == "done" else "interrupted"
         note = markers.IN_DOUBT_DONE_TEXT if outcome == "done" else markers.IN_DOUBT_NOT_DONE_TEXT

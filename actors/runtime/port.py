@@ -144,6 +144,10 @@ class HostServices(Protocol):
     """Whether the host drains (R-DRAIN-1): running tasks stop at their next turn
     boundary, open in their traces, and no new task is taken from users."""
 
+    hand_over: Callable[[str], Awaitable[None]] | None
+    """How a draining host gives a held or parked session to another host (a cluster
+    host's, R-DRAIN-2: with its tree); None on a host alone."""
+
     @property
     def child_reports(self) -> TreeReach:
         """The host's reports of subagents taken up here, and its reach into their trees."""

@@ -55,7 +55,7 @@ from greenroom.actors.runtime.attachments import Attachments, attach
 from greenroom.actors.runtime.tool_hooks import ToolHookCalls, cut_reason
 from greenroom.protocols.content import TextBlock, ToolCallBlock, ToolContent
 from greenroom.protocols.context import ToolResult
-from greenroom.protocols.effects import CHECK_TIMEOUT_S
+from greenroom.protocols.effects import CHECK_TIMEOUT_S, check_answer_problem
 from greenroom.protocols.hooks import ToolHookAction
 from greenroom.protocols.messages import (
     BeginTurn,
@@ -344,6 +344,8 @@ class ToolPool:
             error = f"the check raised {type(exc).__name__}: {exc}"
             return ToolCallChecked(call_id=call.id, outcome="failed", error=error)
         value = running.value
+        if (problem := check_answer_problem(value)) is not None:
+            return ToolCallChecked(call_id=call.id, outcome="failed", error=problem)
         if value is None:
             return ToolCallChecked(call_id=call.id, outcome="not_done")
         if isinstance(value, ToolResult):
