@@ -40,6 +40,7 @@ from greenroom.protocols.history import cut_by, live_records
 from greenroom.protocols.outputs import (
     Abort,
     ApprovalDecision,
+    CallResolved,
     CompactionBegin,
     CompactionEnd,
     ModelMsg,
@@ -166,6 +167,12 @@ def _settled_task(
     for call in record.calls:
         if call.id not in unfinished:
             continue
+        if call.id in record.in_doubt:
+            # Its host was lost before its result was recorded: whether it took effect is
+            # unknown, and "aborted by user" would say it did not. Resolved by the note, as
+            # an interrupt of the live task resolves it (R-EFFECT-2).
+            out.extend(_resolved_by_the_note(session_id, run_id, call.id, call.name))
+            continue
         if call.id in asked:
             out.append(
                 ApprovalDecision(
@@ -212,6 +219,20 @@ def _settled_task(
     out.append(abort)
     out.append(task_end)
     return out
+
+
+def _resolved_by_the_note(
+    session_id: str, run_id: str, call_id: str, tool: str
+) -> tuple[CallResolved, ToolCallOutput]:
+    """A call in doubt that a cut settles: one ``call_resolved`` (the note, outcome
+    unknown) and the host-lost result."""
+    return (
+        CallResolved(session_id=session_id, run_id=run_id, call_id=call_id, tool=tool,
+                     by="note", outcome="unknown"),
+        ToolCallOutput(session_id=session_id, run_id=run_id, call_id=call_id, tool=tool,
+                       status="interrupted", is_error=True,
+                       content=(TextBlock(text=markers.HOST_LOST_TEXT),)),
+    )  # fmt: skip
 
 
 def failed_output(records: Sequence[Output]) -> tuple[ModelBlock, ...] | None:
