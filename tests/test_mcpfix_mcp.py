@@ -118,6 +118,24 @@ async def test_a_disabled_tool_is_not_offered_and_a_call_of_it_is_an_unknown_too
     assert json.loads(content_text(by_call["c2"])) == []  # echo never reached the server
 
 
+async def test_a_disabled_tool_name_the_server_does_not_list_is_warned_about(
+    mcp_host: Host, workspace: Path, providers: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """R-MCP-6: a ``disabledTools`` name the server does not list (a typo) disables
+    nothing; it is a warning naming the server and the name, not silence."""
+    with caplog.at_level(logging.WARNING, logger="greenroom.mcp"):
+        session = await mcp_host.create_session(
+            provider=providers([]), workspace_dir=workspace,
+            mcp_servers={"t": stdio(disabledTools=["echo", "ecoh"])},
+        )  # fmt: skip
+    assert "mcp__t__echo" not in {t.name for t in session.tools}
+    warned = [r.getMessage() for r in caplog.records if "disabledTools" in r.getMessage()]
+    assert warned == [
+        "MCP server 't': disabledTools names 'ecoh', which the server does not list: it "
+        "disables nothing"
+    ]
+
+
 # -- envFile problems ----------------------------------------------------------------------
 
 

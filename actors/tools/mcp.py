@@ -613,6 +613,7 @@ class McpConnection:
                 warnings.append(f"MCP server {self.name!r}: tool {info.name!r} skipped: {problem}")
                 continue
             built.append(self._tool(info))
+        warnings.extend(_unknown_disabled(self.name, self.config, self.tools or ()))
         taken = {info.name for info in self.tools or ()} | self.config.disabled_tools
         if self.resources and READ_RESOURCE not in taken:  # the server's own, or disabled
             built.append(read_resource_tool(self.name, self.resources, self.read_resource))
@@ -688,6 +689,19 @@ def _offered(config: McpServerConfig, tools: tuple[McpToolInfo, ...]) -> list[Mc
     """The listed ``tools`` the configuration does not disable (``disabledTools``): a
     disabled tool is never offered to the model, so a call of it is an unknown tool's."""
     return [info for info in tools if info.name not in config.disabled_tools]
+
+
+def _unknown_disabled(
+    server: str, config: McpServerConfig, tools: tuple[McpToolInfo, ...]
+) -> list[str]:
+    """A warning for each ``disabledTools`` name the server does not list (a typo disables
+    nothing, and would pass unseen); greenroom's own ``read_resource`` counts as listed."""
+    listed = {info.name for info in tools} | {READ_RESOURCE}
+    return [
+        f"MCP server {server!r}: disabledTools names {name!r}, which the server does not "
+        "list: it disables nothing"
+        for name in sorted(config.disabled_tools - listed)
+    ]
 
 
 async def _fetch_tools(session: ClientSession) -> tuple[McpToolInfo, ...]:
