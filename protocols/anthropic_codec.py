@@ -56,7 +56,12 @@ from greenroom.protocols.retry import (
     parse_retry_after,
     transient_status_text,
 )
-from greenroom.protocols.sse import EventTooLarge, SSEDecoder
+from greenroom.protocols.sse import (
+    MAX_RESPONSE_BYTES,
+    EventTooLarge,
+    SSEDecoder,
+    response_too_large,
+)
 from greenroom.protocols.stream import (
     MAX_TOOL_CALLS,
     BlockCompleted,
@@ -515,8 +520,10 @@ def classify_error(
         if status == 413:
             text = f"request too large (HTTP 413; shrink the request): {text}"
     permanent = kind == "failed" and _is_permanent(status, error_type)
-    return ModelError(kind=kind, message=text, status_code=status, retry_after_s=retry_after,
-                      permanent=permanent)
+    # The provider's words are traced with the attempt: a lone surrogate its JSON spells is
+    # repaired here (R-SEC-1).
+    return ModelError(kind=kind, message=repair_text(text), status_code=status,
+                      retry_after_s=retry_after, permanent=permanent)
 
 
 # --------------------------------------------------------------------------- stream
@@ -556,7 +563,9 @@ def _completed(blk: _Block) -> BlockCompleted:
                 index=blk.index, block=ToolCallBlock(id=blk.call_id, name=blk.name, arguments={})
             )
         try:
-            raw = json.dumps(start, ensure_ascii=False)
+            # Repaired as argument text is: an input that is not valid arguments is kept
+            # as its text, which is traced (R-SEC-1).
+            raw = repair_text(json.dumps(start, ensure_ascii=False))
         except (RecursionError, ValueError):
             # Deeper than the encoder goes: the text stands for "too deep" (R-SEC-6).
             raw = "[" * (MAX_ARGUMENT_DEPTH + 1)
@@ -688,12 +697,16 @@ class AnthropicStreamDecoder:
       ``content_block_start`` at an index already started, or two ``tool_use`` blocks with
       one id (R-SEC-6) are ``StreamFailed(malformed)``. An empty ``stop_reason`` is no
       verdict. The last ``signature_delta`` of a thinking block stands.
-    * Text, thinking and arguments have lone UTF-16 surrogates replaced (R-SEC-1);
+    * Every string passed on (text, thinking, arguments, ids, names, the model, the stop
+      reason, signatures, an error's words) has lone UTF-16 surrogates replaced (R-SEC-1);
+      a signature or redacted thinking that is not a string is ``StreamFailed(malformed)``;
       arguments nested deeper than ``MAX_ARGUMENT_DEPTH`` are invalid arguments.
+    * A body past :data:`~greenroom.protocols.sse.MAX_RESPONSE_BYTES` is
+      ``StreamFailed(malformed)`` (a server that never ends its answer).
     """
 
     __slots__ = ("_blocks", "_cache_read", "_cache_write", "_call_ids", "_deferred", "_done",
-                 "_input", "_last_event", "_message_id", "_model", "_output", "_seen",
+                 "_input", "_last_event", "_message_id", "_model", "_output", "_room", "_seen",
                  "_skipped", "_sse", "_started", "_stop_reason", "_usage")
 
     def __init__(self) -> None:
@@ -714,6 +727,7 @@ class AnthropicStreamDecoder:
         self._started = False
         self._done = False
         self._last_event: str | None = None
+        self._room = MAX_RESPONSE_BYTES  # bytes of the body still taken
 
     @property
     def usage(self) -> TokenUsage:
@@ -730,6 +744,10 @@ class AnthropicStreamDecoder:
         if self._done:
             return []
         out: list[StreamEvent] = []
+        self._room -= len(data)
+        if self._room < 0:
+            self._fail(out, "malformed", response_too_large())
+            return out
         if self._sse.at_event_boundary:
             taken = self._feed_delta_events(data, out)
             if taken == len(data):
@@ -843,7 +861,9 @@ class AnthropicStreamDecoder:
 
     def _fail(self, out: list[StreamEvent], kind: ErrorKind, message: str, *,
               permanent: bool = False) -> None:
-        out.append(StreamFailed(error=ModelError(kind=kind, message=message,
+        # The words may quote the stream (an error event's message, a bad index): they are
+        # traced with the attempt, so a lone surrogate is repaired here (R-SEC-1).
+        out.append(StreamFailed(error=ModelError(kind=kind, message=repair_text(message),
                                                  permanent=permanent)))
         self._done = True
 
@@ -937,12 +957,12 @@ class AnthropicStreamDecoder:
                     out.append(ThinkingDelta(index=idx, text=text))
                 signature = cb.get("signature")
                 if signature:
-                    blk.signature = signature
+                    blk.signature = _opaque(signature, "signature")
             elif btype == "redacted_thinking":
+                data = _opaque(cb["data"], "redacted_thinking data")
                 self._skipped.add(idx)
                 out.append(BlockStarted(index=idx, kind="redacted_thinking"))
-                out.append(BlockCompleted(index=idx,
-                                          block=RedactedThinkingBlock(data=cb["data"])))
+                out.append(BlockCompleted(index=idx, block=RedactedThinkingBlock(data=data)))
             else:
                 # server_tool_use, web_search_tool_result, …: run by the provider, not us.
                 self._skipped.add(idx)
@@ -1039,7 +1059,7 @@ class AnthropicStreamDecoder:
             # No verdict yet: a stopped tool call stays deferred.
             self._report_usage(out)
             return
-        self._stop_reason = stop
+        self._stop_reason = stop = repair_text(stop)
         if stop == "model_context_window_exceeded":
             self._report_usage(out)
             self._fail(out, "context_overflow",
@@ -1065,5 +1085,15 @@ class AnthropicStreamDecoder:
 
 
 def _str_or_none(value: Any) -> str | None:
-    """``value`` when the server sent a string there, else None."""
-    return value if isinstance(value, str) and value else None
+    """``value`` when the server sent a string there (lone surrogates repaired: it is
+    traced, R-SEC-1), else None."""
+    return repair_text(value) if isinstance(value, str) and value else None
+
+
+def _opaque(value: Any, what: str) -> str:
+    """A signature or encrypted data the provider wants back as it sent it: a string, or
+    the event is malformed (kept in the transcript and traced, so never another type nor
+    a lone surrogate, R-SEC-1)."""
+    if value.__class__ is not str:
+        raise _Malformed(f"{what} is not a string")
+    return repair_text(value)

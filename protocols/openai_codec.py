@@ -33,7 +33,10 @@ Decoder invariants (what the supervisor may rely on):
   ``delta.function_call`` is one tool call with an id derived from the response id.
 * Two tool calls with one id in a message are ``StreamFailed(malformed)`` (R-SEC-6);
   arguments nested deeper than ``MAX_ARGUMENT_DEPTH`` are that call's invalid arguments.
-  Lone UTF-16 surrogates in text, thinking and arguments become U+FFFD (R-SEC-1).
+  Lone UTF-16 surrogates in every string passed on (text, thinking, arguments, ids, the
+  model, the finish reason, an error's words) become U+FFFD (R-SEC-1).
+* A body past :data:`~greenroom.protocols.sse.MAX_RESPONSE_BYTES` is
+  ``StreamFailed(malformed)`` (a server that never ends its answer).
 """
 
 from __future__ import annotations
@@ -64,7 +67,12 @@ from greenroom.protocols.retry import (
     parse_retry_after,
     transient_status_text,
 )
-from greenroom.protocols.sse import EventTooLarge, SSEDecoder
+from greenroom.protocols.sse import (
+    MAX_RESPONSE_BYTES,
+    EventTooLarge,
+    SSEDecoder,
+    response_too_large,
+)
 from greenroom.protocols.stream import (
     MAX_TOOL_CALLS,
     BlockCompleted,
@@ -434,6 +442,10 @@ def classify_error(
     if error.kind == "timeout":
         # The kind is the retry class; the words say which transient failure it was.
         error = attrs.evolve(error, message=transient_status_text(status, message[:_MESSAGE_LIMIT]))
+    if not error.message.isascii():
+        # The server's words are traced with the attempt: a lone surrogate its JSON
+        # spells is repaired here (R-SEC-1).
+        error = attrs.evolve(error, message=repair_text(error.message))
     return error
 
 
@@ -498,6 +510,7 @@ class JsonEventDecoder:
         self._out: list[StreamEvent] = []
         self._terminal = False
         self._usage: TokenUsage | None = None
+        self._room = MAX_RESPONSE_BYTES  # bytes of the body still taken
 
     @property
     def usage(self) -> TokenUsage:
@@ -515,6 +528,10 @@ class JsonEventDecoder:
             return []
         out: list[StreamEvent] = []
         self._out = out
+        self._room -= len(data)
+        if self._room < 0:
+            self._fail(ModelError(kind="malformed", message=response_too_large()))
+            return out
         # feed_raw gives (event, data) tuples: one object less per chunk on the hot path.
         try:
             events = self._sse.feed_raw(data)
@@ -551,6 +568,11 @@ class JsonEventDecoder:
         self._fail(ModelError(kind="malformed", message=f"stream ended early ({reason})"))
 
     def _fail(self, error: ModelError) -> None:
+        message = error.message
+        if not message.isascii():
+            # The words may quote the stream (a server's error message): they are traced
+            # with the attempt, so a lone surrogate is repaired here (R-SEC-1).
+            error = attrs.evolve(error, message=repair_text(message))
         self._out.append(StreamFailed(error=error))
         self._terminal = True
 
@@ -618,12 +640,13 @@ class OpenAIStreamDecoder(JsonEventDecoder):
             if self._response_id is None:
                 # Every chunk repeats the response's id and model: read them until the
                 # first chunk that names the response, not on every chunk.
+                # Both are traced with the request's end: repaired (R-SEC-1).
                 response_id = chunk.get("id")
                 if response_id and response_id.__class__ is str:
-                    self._response_id = response_id
+                    self._response_id = repair_text(response_id)
                 model = chunk.get("model")
                 if model and model.__class__ is str:
-                    self._response_model = model
+                    self._response_model = repair_text(model)
             choices = chunk.get("choices")
             # Anything but usage after the finish reason is ignored: the message is complete.
             if choices and self._finish_reason is None:
@@ -635,7 +658,7 @@ class OpenAIStreamDecoder(JsonEventDecoder):
                 # Some servers send "finish_reason": "" on every chunk before the last:
                 # only a non-empty reason ends the message.
                 if finish_reason:
-                    self._on_finish(str(finish_reason))
+                    self._on_finish(repair_text(str(finish_reason)))
             usage = chunk.get("usage")
             if usage:
                 self._on_usage(usage)

@@ -39,7 +39,10 @@ Decoder invariants (what the supervisor may rely on):
   (R-SEC-6).
 * Exactly one terminal event: ``MessageCompleted`` at ``response.completed`` or
   ``response.incomplete``; ``StreamFailed`` at ``response.failed``, an ``error`` event, bad
-  JSON, or a body that ends before either (a dropped connection is never an answer).
+  JSON, a body that ends before either (a dropped connection is never an answer), or one
+  past :data:`~greenroom.protocols.sse.MAX_RESPONSE_BYTES`.
+* Lone UTF-16 surrogates in every string passed on (text, arguments, call and item ids,
+  the model, encrypted reasoning, an error's words) become U+FFFD (R-SEC-1).
 """
 
 from __future__ import annotations
@@ -450,6 +453,7 @@ class ResponsesStreamDecoder(JsonEventDecoder):
             if delta.__class__ is not str:
                 raise _Malformed
             if delta:
+                delta = repair_text(delta)
                 item.parts.append(delta)
                 self._out.append(
                     ToolArgumentsDelta(
@@ -475,7 +479,7 @@ class ResponsesStreamDecoder(JsonEventDecoder):
             response = event.get("response")
             details = response.get("incomplete_details") if isinstance(response, dict) else None
             reason = details.get("reason") if isinstance(details, dict) else None
-            self._finish(response, incomplete_reason=str(reason or "incomplete"))
+            self._finish(response, incomplete_reason=repair_text(str(reason or "incomplete")))
             return False
         elif etype == "response.failed":
             response = event.get("response")
@@ -491,12 +495,13 @@ class ResponsesStreamDecoder(JsonEventDecoder):
 
     def _note_model(self, response: Any) -> None:
         if isinstance(response, dict):
+            # Both are traced with the request's end: repaired (R-SEC-1).
             model = response.get("model")
             if isinstance(model, str) and model:
-                self.response_model = model
+                self.response_model = repair_text(model)
             response_id = response.get("id")
             if isinstance(response_id, str) and response_id:
-                self.response_id = response_id
+                self.response_id = repair_text(response_id)
 
     def _item(self, event: dict[str, Any]) -> _Item:
         item = self._items.get(event["output_index"])
@@ -527,7 +532,7 @@ class ResponsesStreamDecoder(JsonEventDecoder):
             # Another item at an index already in use: a spliced stream (R-SEC-6's kin).
             raise _Malformed
         kind = raw.get("type")
-        item_id = str(raw.get("id") or "")
+        item_id = repair_text(str(raw.get("id") or ""))
         if kind == "message":
             item = _Item("message", self._new_block(), item_id)
             self._out.append(BlockStarted(index=item.block, kind="text"))
@@ -542,6 +547,7 @@ class ResponsesStreamDecoder(JsonEventDecoder):
                 raise _Malformed
             if len(self._call_ids) >= MAX_TOOL_CALLS:
                 raise _Malformed(f"more than {MAX_TOOL_CALLS} tool calls in one response")
+            call_id = repair_text(call_id)
             if call_id in self._call_ids:
                 raise _Malformed(f"tool call id {call_id!r} repeated in one response")
             self._call_ids.add(call_id)
@@ -554,7 +560,7 @@ class ResponsesStreamDecoder(JsonEventDecoder):
             )
             initial = raw.get("arguments")
             if isinstance(initial, str) and initial:
-                item.parts.append(initial)
+                item.parts.append(repair_text(initial))
         else:
             # Server-side tool items (web search, file search…) are not ours to run or show.
             item = _Item("other", -1, item_id)
@@ -580,6 +586,8 @@ class ResponsesStreamDecoder(JsonEventDecoder):
         elif item.kind == "reasoning":
             text = "".join(item.parts) or repair_text(_summary_text(raw))
             encrypted = raw.get("encrypted_content")
+            if isinstance(encrypted, str):
+                encrypted = repair_text(encrypted)
             self._out.append(
                 BlockCompleted(
                     index=item.block,
@@ -592,7 +600,7 @@ class ResponsesStreamDecoder(JsonEventDecoder):
             )
         elif item.kind == "function_call":
             final = raw.get("arguments")
-            raw_arguments = final if isinstance(final, str) else "".join(item.parts)
+            raw_arguments = repair_text(final) if isinstance(final, str) else "".join(item.parts)
             if raw.get("status") == "incomplete":
                 self._out.append(
                     ToolCallTruncated(

@@ -13,7 +13,8 @@ fields are ignored. Invalid UTF-8 is replaced with U+FFFD, as the standard says.
 
 An event larger than :data:`MAX_EVENT_BYTES` (its lines so far, and the line under way)
 raises :class:`EventTooLarge`: a server cannot make the decoder hold an event without end
-while it waits for that end.
+while it waits for that end. The model stream decoders built on this one also take at most
+:data:`MAX_RESPONSE_BYTES` of one response's body (:func:`response_too_large`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,23 @@ _EVENT_NAMES: dict[bytes, str] = {
 MAX_EVENT_BYTES = 16 << 20
 """The most bytes one event may take: a model's events are deltas of a few bytes to a few
 kilobytes, a whole tool call's arguments in one event at most some hundred kilobytes."""
+
+
+MAX_RESPONSE_BYTES = 128 << 20
+"""The most bytes of one streamed response's body a model stream decoder takes before it
+fails the attempt (``malformed``). Every event holds what it carries until the response
+ends (its text, thinking and arguments, in the decoder and in the turn), so a server that
+never ends its answer would otherwise grow the host's memory until the process dies
+(R-SEC-1). The longest answers a model gives today (128K output tokens, one token an event,
+a few hundred bytes of JSON around each on the most verbose servers) take a third of it."""
+
+
+def response_too_large() -> str:
+    """Why a response past :data:`MAX_RESPONSE_BYTES` failed, in words."""
+    return (
+        f"the response grew past {MAX_RESPONSE_BYTES >> 20} MiB without ending "
+        "(a server that does not stop its answer)"
+    )
 
 
 class EventTooLarge(ValueError):

@@ -883,9 +883,15 @@ class _Reader:
         raise ReadTimeout()
 
     async def read_head(self) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
-        # Informational responses (100 Continue) are no answer: like keep-alives, they
-        # never hold a request beyond its read timeout (R-SEC-10).
-        given_up_at = trio.current_time() + self._timeout
+        # The whole head within the read timeout: a head trickled a byte at a time, or
+        # informational responses (100 Continue) one after another, are no answer and,
+        # like keep-alives, never hold a request longer (R-SEC-10).
+        with trio.CancelScope(deadline=trio.current_time() + self._timeout) as scope:
+            return await self._read_head()
+        assert scope.cancelled_caught
+        raise ReadTimeout()
+
+    async def _read_head(self) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
         while True:
             end = self._buffer.find(b"\r\n\r\n")
             while end < 0:
@@ -898,22 +904,40 @@ class _Reader:
                 end = self._buffer.find(b"\r\n\r\n")
             head, self._buffer = self._buffer[:end], self._buffer[end + 4 :]
             status, reason, headers = self._parse_head(head)
-            if not 100 <= status < 200 or status == 101:
+            if status == 101:
+                # No request of this client asks to switch protocols: what follows is not
+                # HTTP, and is not a model's answer (h11 refuses it alike).
+                raise RemoteProtocolError("the server switched protocols (101) unasked")
+            if not 100 <= status < 200:
                 return status, reason, headers
-            if trio.current_time() > given_up_at:
-                raise ReadTimeout()
 
     def _parse_head(self, head: bytes) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
         lines = head.split(_CRLF)
         parts = lines[0].split(b" ", 2)
-        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
+        # A status is three digits from 100 (as h11, the library paths' parser, reads it).
+        if (
+            len(parts) < 2
+            or not parts[0].startswith(b"HTTP/1.")
+            or len(parts[1]) != 3
+            or not parts[1].isdigit()
+            or parts[1] < b"100"
+        ):
             raise RemoteProtocolError(f"illegal status line: {lines[0][:100]!r}")
         headers: list[tuple[bytes, bytes]] = []
+        length: bytes | None = None
         for line in lines[1:]:
             name, colon, value = line.partition(b":")
             if not colon or not name or name != name.strip():
                 raise RemoteProtocolError(f"illegal header line: {line[:100]!r}")
-            headers.append((name, value.strip(b" \t")))
+            value = value.strip(b" \t")
+            lower = name.lower()
+            if lower == b"content-length":
+                length = _content_length(value, length)
+            elif lower == b"transfer-encoding" and value.lower() != b"chunked":
+                # Another coding would leave the body's end unknown or its bytes encoded:
+                # refused as h11 refuses it, so both paths fail such a response alike.
+                raise RemoteProtocolError("Only Transfer-Encoding: chunked is supported")
+            headers.append((name, value))
         self.http_11 = parts[0] == b"HTTP/1.1"
         return int(parts[1]), parts[2] if len(parts) > 2 else b"", headers
 
@@ -923,6 +947,22 @@ class _Reader:
 
     def push_back(self, data: bytes) -> None:
         self._buffer = data + self._buffer
+
+
+def _content_length(value: bytes, seen: bytes | None) -> bytes:
+    """The length a ``content-length`` header's ``value`` gives (one number, or a list of
+    one number repeated), the same as the length ``seen`` before, if any; else a
+    :class:`RemoteProtocolError`: a body of two lengths has no known end (h11 refuses it
+    alike)."""
+    lengths = {one.strip() for one in value.split(b",")}
+    if len(lengths) != 1:
+        raise RemoteProtocolError("conflicting Content-Length headers")
+    length = lengths.pop()
+    if not length.isdigit():
+        raise RemoteProtocolError(f"bad Content-Length: {value[:100]!r}")
+    if seen is not None and seen != length:
+        raise RemoteProtocolError("conflicting Content-Length headers")
+    return length
 
 
 class RawBody:
@@ -951,8 +991,9 @@ class RawBody:
             lower = name.lower()
             if lower == b"transfer-encoding" and b"chunked" in value.lower():
                 self._chunked = True
-            elif lower == b"content-length" and value.isdigit():
-                self._length = int(value)
+            elif lower == b"content-length":
+                # Checked when the head was read: one number, maybe repeated in a list.
+                self._length = int(value.split(b",", 1)[0])
             elif lower == b"connection" and b"close" in value.lower():
                 self._keep_alive = False
             elif lower == b"content-encoding":

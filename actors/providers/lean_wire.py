@@ -13,6 +13,7 @@ fails as ``timeout`` (R-SEC-10). Nothing here imports an HTTP library or an SDK.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -32,6 +33,7 @@ from greenroom.actors.providers.lean_http import (
     ConnectError,
     ConnectionPool,
     ReadTimeout,
+    RemoteProtocolError,
     Response,
     TimeoutException,
     TimeoutSettings,
@@ -158,7 +160,7 @@ class LeanEndpoint:
             response = await self._send(content)
             try:
                 if wording.is_error_status(response.status):
-                    data = await response.aread(MAX_ERROR_BODY)
+                    data = await _error_body(response)
                     # The wall clock: an HTTP-date ``retry-after`` is an absolute time.
                     error = classify(response.status, data, response.header_map(), now=time.time())
                     await deliver([StreamFailed(error=error)])
@@ -192,7 +194,13 @@ class LeanEndpoint:
                 return response
             hops += 1
             await response.aclose()
-            following = parse_url(urllib.parse.urljoin(target.text, location.decode("latin-1")))
+            try:
+                joined = urllib.parse.urljoin(target.text, location.decode("latin-1"))
+            except ValueError as exc:
+                # The server's own words are not a URL ("http://[::1"): bad HTTP, as the
+                # library paths report it, never an exception out of the request.
+                raise RemoteProtocolError(f"Invalid URL in location header: {exc}") from None
+            following = parse_url(joined)
             if (following.scheme, following.host, following.port) != (
                 target.scheme, target.host, target.port
             ):  # fmt: skip
@@ -242,6 +250,27 @@ async def _read_body(
         await deliver([_failed(stalled_message(read, keepalives=keepalives))])
         return True
     return False
+
+
+async def _error_body(response: Response) -> bytes:
+    """At most :data:`MAX_ERROR_BODY` of an error response's body, read within one read
+    timeout: a body trickled a byte at a time holds the request no longer than silence
+    would (R-SEC-10), and the words that came by then are classified."""
+    pieces: list[bytes] = []
+    size = 0
+    body = response.body
+    with contextlib.suppress(ReadTimeout), body.read_deadline(progress=True):
+        # Progress is never marked: the deadline runs from the first read, whatever comes.
+        reads = aiter(body)
+        try:
+            async for piece in reads:
+                pieces.append(piece)
+                size += len(piece)
+                if size >= MAX_ERROR_BODY:
+                    break
+        finally:
+            await reads.aclose()
+    return b"".join(pieces)[:MAX_ERROR_BODY]
 
 
 def _failed(message: str) -> StreamFailed:
