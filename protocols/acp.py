@@ -149,11 +149,18 @@ class Response:
 Message = Call | Response | FrameError
 
 
+TOO_LONG_HEAD_BYTES = 4096
+"""How much of the start of a dropped over-long line is kept: enough for the ``id`` and
+the keys before the long value, which :func:`too_long_error` answers by."""
+
+
 @attrs.frozen(kw_only=True, slots=True)
 class TooLong:
-    """A line longer than the splitter's limit; its bytes were dropped."""
+    """A line longer than the splitter's limit; its bytes were dropped but for its first
+    :data:`TOO_LONG_HEAD_BYTES` (``head``)."""
 
     size: int
+    head: bytes = b""
 
 
 class LineSplitter:
@@ -161,13 +168,14 @@ class LineSplitter:
     ``max_bytes`` is dropped and reported once as :class:`TooLong`; the next line is read
     normally. ``close()`` returns what followed the last newline, if anything."""
 
-    __slots__ = ("_buffer", "_dropping", "_max", "_skipped")
+    __slots__ = ("_buffer", "_dropping", "_head", "_max", "_skipped")
 
     def __init__(self, max_bytes: int = MAX_FRAME_BYTES) -> None:
         self._buffer = bytearray()
         self._max = max_bytes
         self._dropping = False
         self._skipped = 0
+        self._head = b""
 
     def feed(self, data: bytes) -> list[bytes | TooLong]:
         """The lines and :class:`TooLong` reports completed by ``data``, in order; an unfinished
@@ -180,11 +188,12 @@ class LineSplitter:
                 break
             piece = data[start:end]
             if self._dropping:
-                out.append(TooLong(size=self._skipped + len(piece)))
+                out.append(TooLong(size=self._skipped + len(piece), head=self._head))
                 self._dropping = False
                 self._skipped = 0
             elif len(self._buffer) + len(piece) > self._max:
-                out.append(TooLong(size=len(self._buffer) + len(piece)))
+                size = len(self._buffer) + len(piece)
+                out.append(TooLong(size=size, head=self._head_of(piece)))
                 self._buffer.clear()
             else:
                 self._buffer += piece
@@ -197,29 +206,79 @@ class LineSplitter:
         elif len(self._buffer) + len(rest) > self._max:
             self._dropping = True
             self._skipped = len(self._buffer) + len(rest)
+            self._head = self._head_of(rest)
             self._buffer.clear()
         else:
             self._buffer += rest
         return out
 
+    def _head_of(self, rest: bytes) -> bytes:
+        """The first :data:`TOO_LONG_HEAD_BYTES` of the line buffered so far and ``rest``."""
+        head = bytes(self._buffer[:TOO_LONG_HEAD_BYTES])
+        return head + rest[: TOO_LONG_HEAD_BYTES - len(head)]
+
     def close(self) -> list[bytes | TooLong]:
         """What is left at end of stream: the unterminated last line unless it is only whitespace,
         or a :class:`TooLong` when that line was over the limit."""
         if self._dropping:
-            return [TooLong(size=self._skipped)]
+            return [TooLong(size=self._skipped, head=self._head)]
         rest = bytes(self._buffer)
         self._buffer.clear()
         return [rest] if rest.strip() else []
 
 
-def too_long_error(frame: TooLong) -> FrameError:
-    """The -32600 answer to a dropped over-long line (no id: the line was not read)."""
-    return FrameError(
-        id=None,
-        error=RpcError(
-            INVALID_REQUEST, f"frame of {frame.size} bytes, larger than {MAX_FRAME_BYTES}"
-        ),
-    )
+def too_long_error(frame: TooLong) -> FrameError | Response:
+    """What a dropped over-long line is, read from its start (``frame.head``): a request
+    is answered -32600 with its ``id`` (its sender waits for that answer: a prompt with
+    too large an image, say), a line whose id cannot be read with a null id; the client's
+    answer to one of our requests (a text read for a tool, too large) is that answer,
+    an error saying so, so the request fails at once rather than wait for an answer that
+    was dropped."""
+    message = f"frame of {frame.size} bytes, larger than {MAX_FRAME_BYTES}"
+    keys = _leading_keys(frame.head)
+    frame_id = keys.get("id")
+    known_id = isinstance(frame_id, str | int) and not isinstance(frame_id, bool)
+    if known_id and "method" not in keys and ("result" in keys or "error" in keys):
+        said = f"the answer was a {message}, and was not read"
+        return Response(id=frame_id, error={"code": INVALID_REQUEST, "message": said})
+    return FrameError(id=frame_id if known_id else None, error=RpcError(INVALID_REQUEST, message))
+
+
+def _leading_keys(head: bytes) -> dict[str, Any]:
+    """The top-level keys of a JSON object whose text starts with ``head`` (the rest
+    unknown), up to the first value that does not end within it: each with its value,
+    or ``...`` for that last one."""
+    text = head.decode("utf-8", errors="replace")
+    decoder = json.JSONDecoder()
+    keys: dict[str, Any] = {}
+    at = _skip_space(text, 0)
+    if not text.startswith("{", at):
+        return keys
+    at += 1
+    try:
+        while True:
+            at = _skip_space(text, at)
+            key, at = decoder.raw_decode(text, at)
+            at = _skip_space(text, at)
+            if not isinstance(key, str) or not text.startswith(":", at):
+                return keys
+            keys[key] = ...
+            value, at = decoder.raw_decode(text, _skip_space(text, at + 1))
+            at = _skip_space(text, at)
+            if not text.startswith((",", "}"), at):
+                return keys  # maybe cut short (a number): its value is not known
+            keys[key] = value
+            if text.startswith("}", at):
+                return keys
+            at += 1
+    except ValueError:  # cut within a key or a value: what was read is all there is
+        return keys
+
+
+def _skip_space(text: str, at: int) -> int:
+    while at < len(text) and text[at] in " \t\r\n":
+        at += 1
+    return at
 
 
 def parse_message(line: bytes) -> Message:

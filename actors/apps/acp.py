@@ -337,6 +337,15 @@ class _Wire:
         """Queue a ``session/update`` of ``session_id`` (waiting for room)."""
         await self.send(_update_frame(session_id, update))
 
+    async def too_long(self, piece: acp.TooLong) -> None:
+        """A line over the frame limit was dropped: answer the request it was, or fail
+        the request of ours it answered (:func:`~greenroom.protocols.acp.too_long_error`)."""
+        dropped = acp.too_long_error(piece)
+        if isinstance(dropped, acp.Response):
+            self.resolve(dropped)  # an answer is not replied to
+        else:
+            await self.send(dropped.response())
+
     def resolve(self, response: acp.Response) -> None:
         """The client answered one of our requests: wake it."""
         slot = self._pending.get(response.id) if isinstance(response.id, int) else None
@@ -646,7 +655,7 @@ class AcpAgent:
 
     async def _handle(self, piece: bytes | acp.TooLong) -> None:
         if isinstance(piece, acp.TooLong):
-            await self._wire.send(acp.too_long_error(piece).response())
+            await self._wire.too_long(piece)
             return
         if not piece.strip():
             return
@@ -733,6 +742,8 @@ class AcpAgent:
             if entry is None:
                 _log(f"session/cancel for an unknown session {sid!r}: ignored")
                 return
+            # The prompts read before it and not handed over yet have no task to interrupt.
+            self._order.cancel(entry.session.id)
             entry.session.interrupt("cancelled by the client (session/cancel)")
         # Other notifications (extensions this agent does not know) are ignored, as ACP asks.
 
@@ -776,8 +787,9 @@ class AcpAgent:
             session, mcp_servers, self._watch_tree, self._config.approve, self._people.ask_now
         )
         if self._editor.any:  # R-ACP-2: its files and terminal are the editor's
+            assert self._nursery is not None
             session.editor = EditorSession(
-                self._editor, session.id, self._wire.request, entry.mapper
+                self._editor, session.id, self._wire.request, entry.mapper, self._nursery.start_soon
             )
         if mcp_servers:
             _log(f"session {session.id}: MCP servers {', '.join(sorted(mcp_servers))}")
@@ -837,7 +849,8 @@ class AcpAgent:
         return _opened(entry, {"sessionId": session.id}, self._wire.push)
 
     async def _set_mode(self, params: dict[str, Any]) -> dict[str, Any]:
-        self._session(params).asked.mode = acp.parse_set_mode(params)
+        entry = self._session(params)  # an unknown session first, as every method says
+        entry.asked.mode = acp.parse_set_mode(params)
         return {}
 
     async def _close_session(self, params: dict[str, Any]) -> dict[str, Any]:
@@ -875,17 +888,25 @@ class AcpAgent:
         entry = self._session(params)
         content = await _prompt_content(entry.session, params)
         async with turn:
-            if await self._people.answer_with(entry.asked, content):
+            if turn.cancelled:
+                answer: _Answer | None = _cancelled()
+            elif await self._people.answer_with(entry.asked, content):
                 answer = None
             else:
-                answer = entry.steered(content) or await self._start(entry, content)
+                answer = entry.steered(content) or await self._start(entry, content, turn)
         answered: dict[str, Any] = await (entry.joined() if answer is None else answer.wait())
         return answered
 
-    async def _start(self, entry: _AcpSession, content: tuple[UserContent, ...]) -> _Answer:
-        """Run ``content`` as a task of its own; its answer comes when the task ends."""
+    async def _start(
+        self, entry: _AcpSession, content: tuple[UserContent, ...], turn: InputTurn
+    ) -> _Answer:
+        """Run ``content`` as a task of its own; its answer comes when the task ends.
+        Cancelled (``session/cancel`` read after the request that gave it) while it waited
+        for the session, it never runs: answered "cancelled"."""
         # A task ending right now still holds the session for a moment: wait it out.
         await entry.idle.wait()
+        if turn.cancelled:
+            return _cancelled()
         try:
             stream = entry.session.run(content, approve=entry.approval())
         except AuthLocked as exc:
@@ -909,6 +930,7 @@ class AcpAgent:
             pumping=lambda: entry.pumping,
             show=lambda update: self._wire.push(_update_frame(session_id, update)),
             ask=lambda request: self._people.ask_soon(nursery, entry.asked, request),
+            settled=entry.asked.settled,
             pump=lambda task: self._pump_soon(entry, task),
         )
         nursery.start_soon(tree.run)
@@ -945,13 +967,15 @@ class AcpAgent:
             # follow that end.
             receipt = reading.receipt() if isinstance(reading, WatchedWork) else InputReceipt()
             approve = entry.approval()
-            if entry.pumping and session.follow_up(content, approve=approve, recorded=receipt):
+            if turn.cancelled:  # as an interrupt drops the follow-ups it finds queued
+                answer = _cancelled()
+            elif entry.pumping and session.follow_up(content, approve=approve, recorded=receipt):
                 if isinstance(reading, WatchedWork):
                     reading.accepted(receipt)
                 answer = _Answer(receipt)
                 entry.follow_ups.append(answer)
             else:
-                answer = await self._start(entry, content)
+                answer = await self._start(entry, content, turn)
         return await answer.wait()
 
     # -- sessions and tasks -----------------------------------------------------------------
@@ -986,6 +1010,7 @@ class AcpAgent:
                     and not entry.mapper.is_background(output)  # the tree watch asks those
                 ):
                     self._people.ask_soon(self._nursery, entry.asked, output)
+                entry.asked.settled(output)  # after asking: a batch may ask and settle
                 if output.origin is None:  # a subagent's tasks are not this session's
                     entry.followed(output)
         finally:
@@ -1012,6 +1037,13 @@ _INPUT_LINES = {
 """The line of a session's input each request that gives it some waits in: prompts and
 follow-ups become tasks in the order sent; steering is for the task running now, in the
 order sent too, and never waits behind a prompt that waits for that task to end."""
+
+
+def _cancelled() -> _Answer:
+    """The answer of input that ``session/cancel`` dropped before it was handed over."""
+    answer = _Answer()
+    answer.give({"stopReason": "cancelled"})
+    return answer
 
 
 def _input_turn(order: InputOrder, request: Request) -> InputTurn:

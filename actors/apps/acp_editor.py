@@ -19,14 +19,16 @@ own ``tool_call``, in the order the session published them.
 Every request waits at most :data:`EDITOR_TIMEOUT_S` for the editor's answer (a terminal's
 ``wait_for_exit`` the command's own timeout): an editor that does not answer fails the
 call, it never holds it. A terminal is always released, even when the call is
-cancelled (releasing kills a command still running).
+cancelled (releasing kills a command still running) — also one whose ``terminal/create``
+is answered after its call stopped waiting (cancelled, or out of time): the command it
+started is not left running in the editor, unseen.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import trio
@@ -44,12 +46,16 @@ waits for its answer before the call fails."""
 RELEASE_GRACE_S = 5.0
 """How long releasing a terminal after its call ended (or was cancelled) may take."""
 
+Spawn = Callable[[Callable[[], Awaitable[None]]], None]
+"""Run a task of the connection's (it outlives the call that starts it)."""
+
 
 class EditorSession:
     """The editor of one session of the connection (a
     :class:`~greenroom.protocols.tools.Editor`): ``capabilities`` say what it offers,
     ``request`` is the agent's way to ask the client, ``session_id`` the session the
-    editor knows (the root's, for a subagent's calls too), ``mapper`` the session's."""
+    editor knows (the root's, for a subagent's calls too), ``mapper`` the session's;
+    ``spawn`` runs the tasks that wait for a terminal its call no longer waits for."""
 
     def __init__(
         self,
@@ -57,11 +63,13 @@ class EditorSession:
         session_id: str,
         request: Request,
         mapper: acp.UpdateMapper,
+        spawn: Spawn,
     ) -> None:
         self._capabilities = capabilities
         self._session_id = session_id
         self._request = request
         self._mapper = mapper
+        self._spawn = spawn
 
     @property
     def reads(self) -> bool:
@@ -110,20 +118,15 @@ class EditorSession:
     ) -> TerminalRun:
         """``command`` in a new terminal of the editor (``bash -c``), embedded in the call
         ``call_id``; killed after ``timeout_s``; released in every case."""
-        created = await self._call(
-            "terminal/create",
+        terminal = await self._create(
             {
                 "sessionId": self._session_id,
                 "command": "bash",
                 "args": ["-c", command],
                 "cwd": cwd,
                 "outputByteLimit": output_limit,
-            },
+            }
         )
-        terminal = {
-            "sessionId": self._session_id,
-            "terminalId": _checked(acp.terminal_id_of, created),
-        }
         try:
             self._mapper.attach(call_id, acp.terminal_content(terminal["terminalId"]))
             report_progress("running in the editor's terminal")
@@ -153,6 +156,46 @@ class EditorSession:
             signal=signal,
             timed_out=waiting.cancelled_caught,
         )
+
+    async def _create(self, params: dict[str, Any]) -> dict[str, str]:
+        """``terminal/create``: the ``{sessionId, terminalId}`` of the new terminal. The
+        request is asked from a task of the connection: when this call stops waiting for
+        its answer (cancelled, or after :data:`EDITOR_TIMEOUT_S`), the terminal the editor
+        creates all the same is released once its answer comes, which kills its command."""
+        answered = trio.Event()
+        box: list[acp.Response] = []
+        abandoned = False
+
+        def terminal_of(response: acp.Response) -> dict[str, str]:
+            created = _checked(lambda r: acp.client_result(r, "terminal/create"), response)
+            terminal_id = _checked(acp.terminal_id_of, created)
+            return {"sessionId": self._session_id, "terminalId": terminal_id}
+
+        async def release(response: acp.Response) -> None:
+            with contextlib.suppress(EditorError):
+                terminal = terminal_of(response)
+                with trio.move_on_after(RELEASE_GRACE_S):
+                    await self._call("terminal/release", terminal)
+
+        async def ask() -> None:
+            box.append(await self._request("terminal/create", params, None))
+            answered.set()
+            if abandoned:  # no call waits for it: its command runs unseen
+                await release(box[0])
+
+        self._spawn(ask)
+        try:
+            with trio.move_on_after(EDITOR_TIMEOUT_S):
+                await answered.wait()
+        finally:
+            # No checkpoint between the answer and this: either it came, or the task that
+            # waits for it releases what it brings.
+            abandoned = not answered.is_set()
+        if abandoned:
+            raise EditorError(
+                f"the editor did not answer terminal/create in {EDITOR_TIMEOUT_S:g} s"
+            )
+        return terminal_of(box[0])
 
     async def _call(
         self, method: str, params: dict[str, Any], *, timeout_s: float | None = EDITOR_TIMEOUT_S

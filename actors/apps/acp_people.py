@@ -33,7 +33,14 @@ import trio
 from greenroom.actors.runtime import Host, NotPending, Session, SessionClosed, SessionNotFound
 from greenroom.protocols import acp
 from greenroom.protocols.content import TextBlock, ToolCallBlock, UserContent
-from greenroom.protocols.outputs import ApprovalRequest
+from greenroom.protocols.outputs import (
+    ApprovalDecision,
+    ApprovalRequest,
+    CallResolved,
+    Output,
+    TaskEnd,
+    ToolCallOutput,
+)
 from greenroom.protocols.people import Verdict, arguments_digest
 from greenroom.protocols.task import fold
 
@@ -66,6 +73,25 @@ class Asked:
         was asked before are not taken; the requests stay pending in the trace."""
         self.answer_next: tuple[str, str] | None = None
         """The question (session id, call id) the next ``session/prompt`` answers."""
+
+    def settled(self, output: Output) -> None:
+        """Forget what the editor is asked about a call that ``output`` of the session
+        settles (its decision, its result, or the end of the root's task): answered
+        elsewhere, timed out or interrupted (``session/cancel``), it waits for no one, even
+        while the editor leaves that request unanswered. Else the session would look as if
+        it waited for people — and a task running later would not be interrupted when
+        the editor goes away (R-HITL-1) — and a later call of the same id never asked."""
+        match output:
+            case ApprovalDecision() | CallResolved() | ToolCallOutput():
+                self.asking.pop(output.call_id, None)
+                if self.answer_next is not None and self.answer_next[1] == output.call_id:
+                    self.answer_next = None
+            case TaskEnd() if output.origin is None:
+                self.asking = {call: root for call, root in self.asking.items() if not root}
+                if self.answer_next is not None and self.answer_next[0] == self.session.id:
+                    self.answer_next = None
+            case _:
+                pass
 
     async def waits_for_people(self) -> bool:
         """Whether the session's task waits only for people: the editor is being asked,

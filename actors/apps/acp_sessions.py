@@ -275,10 +275,15 @@ class InputOrder:
     :class:`InputTurn` in its session's line of its kind (prompts and follow-ups one,
     steering another: it is for the task running now, and waits for no prompt that waits
     for that task's end) when it is read, in the order frames arrive, and hands its input
-    to the session only in its turn."""
+    to the session only in its turn.
+
+    ``session/cancel`` cancels the input read before it (:meth:`cancel`): a turn whose
+    request was read before a cancel of its session says so (:attr:`InputTurn.cancelled`),
+    and its input is not handed over — the cancel found no task of it to interrupt."""
 
     def __init__(self) -> None:
         self._lines: dict[tuple[str, str], _Line] = {}
+        self._cancels: dict[str, int] = {}
 
     def turn(self, session_id: str, kind: str) -> InputTurn:
         """The next turn in ``session_id``'s line of ``kind`` (input of one kind keeps its
@@ -288,7 +293,13 @@ class InputOrder:
         if line is None:
             line = self._lines[key] = _Line(lambda: self._lines.pop(key, None))
         line.issued += 1
-        return InputTurn(line, line.issued - 1)
+        cancels = self._cancels.get(session_id, 0)
+        return InputTurn(line, line.issued - 1, lambda: self._cancels.get(session_id, 0) != cancels)
+
+    def cancel(self, session_id: str) -> None:
+        """``session/cancel`` of ``session_id`` was read: the turns taken before it are
+        cancelled."""
+        self._cancels[session_id] = self._cancels.get(session_id, 0) + 1
 
 
 class _Line:
@@ -317,10 +328,18 @@ class InputTurn:
     the requests read before it to hand their input over (or fail) and ends the turn on
     leaving; :meth:`end` ends it however the request ends (it may never wait)."""
 
-    def __init__(self, line: _Line | None, number: int) -> None:
+    def __init__(
+        self, line: _Line | None, number: int, cancelled: Callable[[], bool] | None = None
+    ) -> None:
         self._line = line
         self._number = number
         self._ended = False
+        self._cancelled = cancelled
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether a ``session/cancel`` of the session was read after this request."""
+        return self._cancelled is not None and self._cancelled()
 
     async def __aenter__(self) -> None:
         await self.wait()

@@ -58,6 +58,7 @@ class TreeWatch:
     starts when it is made, so it sees every batch published from then on; :meth:`run`
     drains it. What it sees goes to the agent: ``show`` queues an update of the session
     (never waiting), ``ask`` has the editor asked about a background child's request,
+    ``settled`` is told every output (what the editor is asked may be settled meanwhile),
     ``pump`` streams a task nobody of the connection started, and the follow-ups queued
     behind it; ``pumping`` says whether a pump already reads the session's task, ``live``
     whether the client still reads."""
@@ -71,9 +72,11 @@ class TreeWatch:
         pumping: Callable[[], bool],
         show: Callable[[dict[str, Any]], None],
         ask: Callable[[ApprovalRequest], None],
+        settled: Callable[[Output], None],
         pump: Callable[[WatchedWork], None],
     ) -> None:
         self._mapper = mapper
+        self._settled = settled
         self._live = live
         self._pumping = pumping
         self._show = show
@@ -129,13 +132,16 @@ class TreeWatch:
         """A batch the session published, in its turn (it must neither wait nor raise):
         background children shown and asked about; a task that no request of this
         connection started (a background child's finished message) pumped from its start."""
-        if self._live():
-            mapper = self._mapper
-            for output in batch:
+        live, mapper = self._live(), self._mapper
+        for output in batch:
+            if live:
                 for update in mapper.note(output):
                     self._show(update)
                 if isinstance(output, ApprovalRequest) and mapper.is_background(output):
                     self._ask(output)
+            # Whether or not a pump reads: a request may be settled with no task running
+            # (a parked one answered elsewhere, or timed out).
+            self._settled(output)
         if self._forward is not None:
             try:
                 self._forward.send_nowait(batch)
