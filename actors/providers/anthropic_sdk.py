@@ -11,7 +11,10 @@ The SDK builds, authenticates and routes the requests; the response body is read
 :class:`~greenroom.protocols.anthropic_codec.AnthropicStreamDecoder`. The SDK's own retries
 are off (``max_retries=0``): the runtime's schedule (R-RETRY-2) is the only one. Every
 library error is translated here, in :meth:`SDKTask.stream`, into a ``StreamFailed`` with
-the words the lean path uses for the same failure.
+the words the lean path uses for the same failure. A response head, and the body of a
+response outside 2xx (an error the SDK reads whole, a redirect httpx2 reads before it
+follows it), get no longer than the lean path gives them however they trickle in
+(:class:`~greenroom.actors.providers.stalls.HeadDeadline`, R-SEC-10).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from greenroom.actors.providers.httpx2_bodies import BoundedStream
 from greenroom.actors.providers.lean_http import TimeoutSettings
 from greenroom.actors.providers.library_bodies import BodyBounds
 from greenroom.actors.providers.media import TaskImages
-from greenroom.actors.providers.stalls import read_library_body
+from greenroom.actors.providers.stalls import HeadDeadline, read_library_body, time_heads
 from greenroom.protocols.anthropic_codec import (
     AnthropicStreamDecoder,
     RequestEncoder,
@@ -80,6 +83,11 @@ class SDKClients:
         per_shard = max(1, -(-max_connections // self._max_shards))
         self._limits = httpx2.Limits(max_connections=per_shard, max_keepalive_connections=per_shard)
         self._ssl = httpx2.create_ssl_context()
+        # The SDK reads an error body whole before greenroom sees it, and httpx2 a
+        # redirect's body before it follows it: both bounded here, in size and in time.
+        self._bounds = BodyBounds(
+            BoundedStream, httpx2.RemoteProtocolError, read_timeout=timeout.read, error_from=300
+        )
         self._shards: list[_Shard] = []
         self._add_shard()
 
@@ -99,8 +107,7 @@ class SDKClients:
                 limits=self._limits,
                 timeout=self._timeout,
                 verify=self._ssl,
-                # The SDK reads an error body whole before greenroom sees it: bounded here.
-                event_hooks={"response": [BodyBounds(BoundedStream, httpx2.RemoteProtocolError)]},
+                event_hooks={"request": [time_heads], "response": [self._bounds]},
             ),
         )
         shard = _Shard(client)
@@ -157,12 +164,16 @@ class SDKTask:
         shard = clients.pick_shard()
         shard.active += 1
         try:
-            async with shard.client.messages.with_streaming_response.create(**body) as response:
-                if await read_library_body(
-                    response.iter_bytes(), decoder, deliver, timeout,
-                    timeout_error=httpx2.TimeoutException, transport_error=httpx2.TransportError,
-                ):
-                    return
+            with HeadDeadline(timeout, httpx2.ReadTimeout):
+                async with shard.client.messages.with_streaming_response.create(
+                    **body
+                ) as response:
+                    if await read_library_body(
+                        response.iter_bytes(), decoder, deliver, timeout,
+                        timeout_error=httpx2.TimeoutException,
+                        transport_error=httpx2.TransportError,
+                    ):
+                        return
             await deliver(decoder.end_of_stream())
         except anthropic.APIStatusError as exc:
             await deliver([StreamFailed(error=_status_error(exc))])

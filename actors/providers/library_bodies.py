@@ -15,17 +15,22 @@ the body over before the library decodes it: it removes ``content-encoding`` (an
 length of the compressed body) so that the library hands the bytes on as they are, and
 inflates them here at most :data:`~greenroom.actors.providers.lean_http.MAX_INFLATED`
 bytes a piece, the lean transport's own code; an error response's body ends after
-:data:`~greenroom.actors.providers.lean_wire.MAX_ERROR_BODY` bytes, as on the lean path.
+:data:`~greenroom.actors.providers.lean_wire.MAX_ERROR_BODY` bytes, and after the read
+timeout and its slack from its first read, as on the lean path: each byte starts the
+library's read timeout again, so a body trickled a byte at a time would otherwise hold
+the request for ever (R-SEC-10); the bytes that came by then are classified.
 An encoding zlib cannot read (``br``, ``zstd``, several stacked), which neither library
 asks for, fails the attempt as a protocol error naming it.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterable, Callable
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable
 from typing import Any, Protocol
 
-from greenroom.actors.providers.lean_http import inflated
+import trio
+
+from greenroom.actors.providers.lean_http import DEADLINE_SLACK, inflated
 from greenroom.actors.providers.lean_wire import MAX_ERROR_BODY
 
 READABLE_ENCODINGS = ("gzip", "deflate")
@@ -63,18 +68,21 @@ async def bounded_body(
     encoding: str,
     limit: int | None,
     error: Callable[[str], Exception],
+    *,
+    within: float | None = None,
 ) -> AsyncGenerator[bytes, None]:
     """The pieces of a body as a library reads them (``raw``, still encoded with
     ``encoding``), inflated a bounded piece at a time, and cut after ``limit`` bytes when
-    given. An encoding that is not one of :data:`READABLE_ENCODINGS` raises
-    ``error(message)`` before anything is read."""
+    given, and ``within`` seconds after its first read when given. An encoding that is not
+    one of :data:`READABLE_ENCODINGS` raises ``error(message)`` before anything is read."""
     if encoding and encoding not in READABLE_ENCODINGS:
         raise error(
             f"the server sent a body with content-encoding {encoding!r}, "
             "which greenroom does not read (it asks for gzip, deflate or none)"
         )
     reads = aiter(raw)
-    pieces = inflated(reads, encoding, error) if encoding else reads
+    inflating = inflated(reads, encoding, error) if encoding else reads
+    pieces = inflating if within is None else _ended_after(inflating, within)
     size = 0
     try:
         async for piece in pieces:
@@ -85,9 +93,24 @@ async def bounded_body(
             yield piece
     finally:
         # A cut, or a reader that stops, closes the reads below in this task.
-        for generator in (pieces, reads):
+        for generator in (pieces, inflating, reads):
             if isinstance(generator, AsyncGenerator):
                 await generator.aclose()
+
+
+async def _ended_after(pieces: AsyncIterator[bytes], seconds: float) -> AsyncGenerator[bytes, None]:
+    """``pieces`` until they end, or until ``seconds`` after the first was asked for: what
+    came by then is the whole body. Each wait has a cancel scope of its own, none held
+    across a ``yield``; a wait cut short ends the library's reads (its connection is then
+    closed, not reused)."""
+    deadline = trio.current_time() + seconds
+    while True:
+        piece = None
+        with trio.move_on_at(deadline):
+            piece = await anext(pieces, None)
+        if piece is None:
+            return
+        yield piece
 
 
 class BodyBounds:
@@ -95,22 +118,31 @@ class BodyBounds:
     [BodyBounds(...)]}``) that takes each response's body over as the module docstring
     says. ``wrap(inner, pieces)`` builds the library's byte stream that yields ``pieces``
     and closes ``inner``; ``error(message)`` is the library's protocol error, which its
-    caller treats as a connection that failed mid-body."""
+    caller treats as a connection that failed mid-body. A response whose status is
+    ``error_from`` or above is an error response, its body bounded in size and, with a
+    ``read_timeout``, read within that and ``DEADLINE_SLACK`` of it (the lean path's
+    window)."""
 
-    __slots__ = ("_error", "_wrap")
+    __slots__ = ("_error", "_error_from", "_within", "_wrap")
 
     def __init__(
         self,
         wrap: Callable[[Any, AsyncGenerator[bytes, None]], Any],
         error: Callable[[str], Exception],
+        *,
+        read_timeout: float | None = None,
+        error_from: int = 400,
     ) -> None:
         self._wrap = wrap
         self._error = error
+        self._error_from = error_from
+        self._within = None if read_timeout is None else read_timeout * (1 + DEADLINE_SLACK)
 
     async def __call__(self, response: _Response) -> None:
         """Replace ``response``'s body by its bounded reading, before anything reads it."""
         encoding = body_encoding(response)
-        limit = MAX_ERROR_BODY if response.status_code >= 400 else None
+        failed = response.status_code >= self._error_from
+        limit = MAX_ERROR_BODY if failed else None
         if not encoding and limit is None:
             return
         if "content-encoding" in response.headers:
@@ -118,7 +150,9 @@ class BodyBounds:
         if encoding and "content-length" in response.headers:
             del response.headers["content-length"]
         inner = response.stream
-        response.stream = self._wrap(inner, bounded_body(inner, encoding, limit, self._error))
+        within = self._within if failed else None
+        pieces = bounded_body(inner, encoding, limit, self._error, within=within)
+        response.stream = self._wrap(inner, pieces)
 
 
 __all__ = ["READABLE_ENCODINGS", "BodyBounds", "body_encoding", "bounded_body"]

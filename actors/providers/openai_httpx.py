@@ -25,8 +25,10 @@ from greenroom.actors.providers.lean_wire import ErrorClassifier, RequestBuilder
 from greenroom.actors.providers.library_bodies import BodyBounds
 from greenroom.actors.providers.media import TaskImages
 from greenroom.actors.providers.stalls import (
+    HeadDeadline,
     no_response_message,
     read_library_body,
+    time_heads,
 )
 from greenroom.protocols.context import ModelRequest
 from greenroom.protocols.stream import ModelError, StreamFailed
@@ -36,11 +38,12 @@ def make_client(
     headers: dict[str, str], timeout: TimeoutSettings, max_connections: int
 ) -> httpx.AsyncClient:
     """One httpx client (and connection pool) for a provider; its response bodies are read
-    within bounds (:mod:`~greenroom.actors.providers.library_bodies`)."""
-    bounds = BodyBounds(BoundedStream, httpx.RemoteProtocolError)
+    within bounds (:mod:`~greenroom.actors.providers.library_bodies`), its response heads
+    within the read timeout inside a :class:`~greenroom.actors.providers.stalls.HeadDeadline`."""
+    bounds = BodyBounds(BoundedStream, httpx.RemoteProtocolError, read_timeout=timeout.read)
     return httpx.AsyncClient(
         headers=headers,
-        event_hooks={"response": [bounds]},
+        event_hooks={"request": [time_heads], "response": [bounds]},
         timeout=httpx.Timeout(
             connect=timeout.connect, read=timeout.read, write=timeout.write, pool=timeout.pool
         ),
@@ -95,9 +98,11 @@ class HTTPStreamTask:
 
     async def stream(self, request: ModelRequest, deliver: Deliver) -> None:
         """POST the encoded ``request`` and deliver the decoded events, one batch per read.
-        An HTTP error status is classified by the codec, a connection failure or timeout
-        becomes a ``StreamFailed``, a body that sends only keep-alives for longer than the
-        read timeout fails as ``timeout`` (R-SEC-10), and a body cut short ends as
+        An HTTP error status is classified by the codec (from what of its body came
+        within the read timeout and its slack), a connection failure or timeout becomes a
+        ``StreamFailed`` (a response head not whole within the read timeout, however it
+        trickles in, is one), a body that sends only keep-alives for longer than the read
+        timeout fails as ``timeout`` (R-SEC-10), and a body cut short ends as
         :func:`cut_short` judges what arrived: no httpx error escapes. The request's images
         are read first, off the event loop, when the encoder has a :class:`TaskImages`
         loader."""
@@ -107,19 +112,21 @@ class HTTPStreamTask:
         decoder = self._decoder()
         timeout = self._read_timeout
         try:
-            async with self._client.stream("POST", self._url, json=body) as response:
-                if response.status_code >= 400:
-                    content = await response.aread()
-                    error = self._classify(
-                        response.status_code, content, response.headers, now=time.time()
-                    )
-                    await deliver([StreamFailed(error=error)])
-                    return
-                if await read_library_body(
-                    response.aiter_bytes(), decoder, deliver, timeout,
-                    timeout_error=httpx.TimeoutException, transport_error=httpx.TransportError,
-                ):
-                    return
+            with HeadDeadline(timeout, httpx.ReadTimeout):
+                async with self._client.stream("POST", self._url, json=body) as response:
+                    if response.status_code >= 400:
+                        content = await response.aread()
+                        error = self._classify(
+                            response.status_code, content, response.headers, now=time.time()
+                        )
+                        await deliver([StreamFailed(error=error)])
+                        return
+                    if await read_library_body(
+                        response.aiter_bytes(), decoder, deliver, timeout,
+                        timeout_error=httpx.TimeoutException,
+                        transport_error=httpx.TransportError,
+                    ):
+                        return
             await deliver(decoder.end_of_stream())
         except httpx.ConnectTimeout:
             await deliver([_failed(f"timed out connecting to the server ({self._url})")])

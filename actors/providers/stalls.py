@@ -14,14 +14,22 @@ cancel scope around the reads whose deadline the reader moves on when a read dec
 events. Either way the deadline strikes between one read timeout and ``1 + DEADLINE_SLACK``
 of them after the last progress, and is moved only when less than a read timeout is left,
 so progress on the hot path costs a clock read at most.
+
+The head of a response comes before any of that: the libraries time it read by read as
+well, so a head trickled a byte at a time would hold the request for ever.
+:class:`HeadDeadline` gives it one read timeout in all on the library paths, as the lean
+transport's own head reading does; the library's bounded error bodies
+(:mod:`~greenroom.actors.providers.library_bodies`) get a read timeout and its slack, as
+the lean transport's do.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import AsyncIterable, Callable
+from contextvars import ContextVar, Token
 from types import TracebackType
-from typing import Protocol
+from typing import Any, Protocol
 
 import trio
 
@@ -98,12 +106,89 @@ class ProgressDeadline:
             self._at = self._scope.deadline = now + self._window
 
 
+_HEAD: ContextVar[HeadDeadline | None] = ContextVar("greenroom_head_deadline", default=None)
+"""The :class:`HeadDeadline` around the current task's request: the library runs the
+request, and its hooks and traces, in the task that asked for it."""
+
+_HEAD_STARTED = "receive_response_headers.started"
+_HEAD_ENDED = ("receive_response_headers.complete", "receive_response_headers.failed")
+
+
+class HeadDeadline:
+    """The deadline of a request's response head on a library path (R-SEC-10): ``with
+    HeadDeadline(read_timeout, library.ReadTimeout):`` around a request sent by a client
+    with :func:`time_heads` among its request hooks. From when the library begins to read
+    a head (after the request was sent, each redirect's and a proxy's ``CONNECT`` alike)
+    until it has it whole, the scope's deadline is one read timeout away: a head trickled a
+    byte at a time, or informational responses one after another, fail the request as
+    ``error(message)`` (the library's read timeout, so that it is reported as one) once
+    that has passed, as on the lean path. The body is not timed here. A read timeout of
+    ``None`` or infinity sets no deadline. Not reusable."""
+
+    __slots__ = ("_error", "_scope", "_timeout", "_token")
+
+    def __init__(self, timeout: float | None, error: Callable[[str], Exception]) -> None:
+        self._timeout = math.inf if timeout is None else float(timeout)
+        self._error = error
+        self._scope = trio.CancelScope()
+        self._token: Token[HeadDeadline | None] | None = None
+
+    def __enter__(self) -> HeadDeadline:
+        self._scope.__enter__()
+        if self._timeout != math.inf:
+            self._token = _HEAD.set(self)
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> bool:
+        token, self._token = self._token, None
+        if token is not None:
+            _HEAD.reset(token)
+        scope = self._scope
+        handled = scope.__exit__(kind, exc, traceback)
+        if scope.cancelled_caught:
+            raise self._error(f"no response head within {self._timeout:g} s") from None
+        return handled
+
+    async def trace(self, name: str, info: dict[str, Any]) -> None:
+        """httpcore's ``trace`` extension: the deadline runs while a head is read."""
+        if name.endswith(_HEAD_STARTED):
+            self._scope.deadline = trio.current_time() + self._timeout
+        elif name.endswith(_HEAD_ENDED):
+            self._scope.deadline = math.inf
+
+
+async def time_heads(request: Any) -> None:
+    """A request hook for an httpx or httpx2 client (``event_hooks={"request":
+    [time_heads]}``): a request sent inside a :class:`HeadDeadline` has its response
+    head timed by it, through httpcore's ``trace`` extension; any other is left alone."""
+    head = _HEAD.get()
+    if head is None:
+        return
+    other = request.extensions.get("trace")
+    if other is None:
+        request.extensions["trace"] = head.trace
+        return
+
+    async def both(name: str, info: dict[str, Any]) -> None:
+        await head.trace(name, info)
+        await other(name, info)
+
+    request.extensions["trace"] = both
+
+
 __all__ = [
     "BodyDecoder",
+    "HeadDeadline",
     "ProgressDeadline",
     "no_response_message",
     "read_library_body",
     "stalled_message",
+    "time_heads",
 ]
 
 
