@@ -28,7 +28,10 @@ OWNER_FILE = "owner.txt"
 class Principals:
     """The known tokens and the principal each names. ``token`` is the one token of the
     principal ``default``; ``tokens`` maps client ids to their tokens (give one or both).
-    Raises :class:`ConfigurationError` when no usable token is given."""
+    Raises :class:`ConfigurationError` when no usable token is given, when a client id is
+    not one (:data:`CLIENT_ID`: its stored owner would be read back as another, or as
+    none) and when one token is given to two principals (R-SEC-4: a token names one
+    client), as ``load_tokens_file`` does for a file."""
 
     def __init__(self, *, token: str | None, tokens: Mapping[str, str] | None) -> None:
         principals = dict(tokens or {})
@@ -36,6 +39,21 @@ class Principals:
             principals.setdefault(DEFAULT_CLIENT, token)
         if not principals or not all(principals.values()):
             raise ConfigurationError("the gateway needs a non-empty token")
+        for client_id in principals:
+            if not isinstance(client_id, str) or not CLIENT_ID.fullmatch(client_id):
+                raise ConfigurationError(
+                    f"bad client id {client_id!r}: letters, digits and ._:@- only, at most 64"
+                )
+        holders: dict[str, str] = {}
+        for client_id, secret in principals.items():
+            # Stripped, as a header's token is: "t" and "t " are one token on a handshake.
+            other = holders.setdefault(secret.strip(), client_id)
+            if other != client_id:
+                # Never the token itself: the message may reach a log.
+                raise ConfigurationError(
+                    f"the clients {other!r} and {client_id!r} have the same token: "
+                    "each token names one client"
+                )
         self._secrets = tuple(
             (secret.encode("utf-8"), client_id) for client_id, secret in principals.items()
         )

@@ -25,7 +25,10 @@ Invariants:
   never raises anything but ``Cancelled``, so the listener keeps serving.
 * The page is served with ``Cache-Control: no-store`` and a Content-Security-Policy that
   allows nothing but the page's own inline script and style (by their SHA-256 hashes) and
-  websocket connections to the listening host (``connect-src ws://HOST:*``).
+  websocket connections to the listening host: to the gateway's port alone when the server
+  knows it (``ws_port``, as ``serve`` gives it: ``connect-src ws://HOST:PORT``), so a link
+  whose ``?ws=`` names another listener of the host cannot take the page's token there
+  (R-SEC-4); else to any of its ports (``connect-src ws://HOST:*``).
 """
 
 from __future__ import annotations
@@ -103,14 +106,17 @@ def console_url(listen_host: str, port: int, ws_url: str, token: str | None) -> 
     return f"{url}#token={token}" if token else url
 
 
-def content_security_policy(page: bytes, ws_hosts: tuple[str, ...]) -> str:
+def content_security_policy(
+    page: bytes, ws_hosts: tuple[str, ...], ws_port: int | None = None
+) -> str:
     """The page's policy: its own inline ``<script>`` and ``<style>`` elements (hashed),
-    websocket connections to ``ws_hosts`` on any port, nothing else."""
+    websocket connections to ``ws_hosts`` on ``ws_port`` (None: any port), nothing else."""
     hashes: dict[bytes, list[str]] = {b"script": [], b"style": []}
     for match in _INLINE.finditer(page):
         digest = base64.b64encode(hashlib.sha256(match.group(2)).digest()).decode("ascii")
         hashes[match.group(1)].append(f"'sha256-{digest}'")
-    connect = " ".join(f"ws://{url_host(host)}:*" for host in dict.fromkeys(ws_hosts))
+    port = "*" if ws_port is None else str(ws_port)
+    connect = " ".join(f"ws://{url_host(host)}:{port}" for host in dict.fromkeys(ws_hosts))
     return "; ".join(
         (
             "default-src 'none'",
@@ -154,9 +160,14 @@ class ConsoleServer:
         write_timeout_s: float = 10.0,
         max_connections: int = 64,
         reuse_port: bool = False,
+        ws_port: int | None = None,
     ) -> None:
         self.reuse_port = reuse_port
         """Share the port with other processes (``serve --workers``: ``SO_REUSEPORT``)."""
+        self.ws_port = ws_port
+        """The gateway's port: the only one the page may open websockets to (None: any
+        port of the host). The page sends its token wherever its ``?ws=`` points, and a
+        link can point it at another listener of the host."""
         self.listen_host = listen_host
         self.port = port
         self.page = page
@@ -250,7 +261,7 @@ class ConsoleServer:
         if path not in (b"/", b"/index.html"):
             return self._error(404, "not found: the console is at /", head_only=method == b"HEAD")
         assert self.page is not None
-        policy = content_security_policy(self.page, self._ws_hosts(host_header))
+        policy = content_security_policy(self.page, self._ws_hosts(host_header), self.ws_port)
         return self._build(
             200,
             "text/html; charset=utf-8",

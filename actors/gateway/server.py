@@ -754,7 +754,9 @@ async def _start_console(
     reuse_port: bool,
 ) -> None:
     gateway_port = gateway.port
-    console = ConsoleServer(listen_host=host, port=port, reuse_port=reuse_port)
+    console = ConsoleServer(
+        listen_host=host, port=port, reuse_port=reuse_port, ws_port=gateway_port
+    )
     try:
         await nursery.start(console.run)
     except OSError as exc:
