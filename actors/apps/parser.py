@@ -532,6 +532,13 @@ def build_parser() -> argparse.ArgumentParser:
         "the data dir must be outside it (default: --workspace)",
     )
     serve.add_argument(
+        "--workspace-per-principal",
+        action="store_true",
+        help="confine each client (token) to its own directory ROOT/CLIENT_ID under the "
+        "workspace root (made 0700 on first use), also its default workspace; without it "
+        "every client may use any directory under the root",
+    )
+    serve.add_argument(
         "--console-port",
         metavar="P",
         type=_port,

@@ -58,6 +58,7 @@ def serve_command(args: argparse.Namespace) -> int:
         settings=_setting_flags(args),
         approve=args.approve,
         workspace_root=args.workspace_root,
+        workspace_per_principal=args.workspace_per_principal,
     )
     defaults_line = _serve_defaults_line(args)
     serve_options: dict[str, Any] = {

@@ -107,6 +107,10 @@ class SessionDefaults:
     workspace_root: str | Path | None = None
     """Where a client's ``session.create {workspace}`` must resolve; None: under
     ``workspace_dir``."""
+    workspace_per_principal: bool = False
+    """Confine each principal to ``<workspace root>/<principal id>`` (made 0700 on first
+    use), which is also its default workspace; False: the principals share the root and
+    the default workspace."""
 
     def session_provider(self) -> str | ModelProvider | None:
         """The provider of a session the gateway creates or loads now: the factory's new
@@ -337,6 +341,27 @@ def directory(value: str | Path) -> Path:
 def resolved(value: str | Path) -> Path:
     """``value`` with ``~`` expanded and symlinks followed (blocking)."""
     return Path(value).expanduser().resolve()
+
+
+def principal_workspace_root(root: Path, principal: str) -> Path:
+    """``principal``'s own workspace root under ``root`` (resolved already), made 0700
+    when missing (blocking): under ``serve --workspace-per-principal`` its clients'
+    workspaces must resolve there. -32602 naming ``$.workspace`` when the principal id
+    could not name a directory of its own (:data:`CLIENT_ID` refuses those already) or
+    the directory cannot be used; a symlink in its place is refused, since it could lead
+    into another principal's directory."""
+    if not CLIENT_ID.fullmatch(principal) or principal in (".", ".."):
+        raise invalid("$.workspace", f"client id {principal!r} cannot name a directory")
+    path = root / principal
+    try:
+        path.mkdir(mode=0o700, exist_ok=True)
+        real = path.resolve(strict=True)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise invalid("$.workspace", f"cannot be used: {reason}") from None
+    if real != path or not real.is_dir():
+        raise invalid("$.workspace", f"{path} is not a directory of its own (a symlink?)")
+    return real
 
 
 def confined_workspace(value: str, root: Path, data_dir: Path) -> WorkspaceIdentity:

@@ -21,6 +21,7 @@ from greenroom.actors.gateway.config import (
     check_budgets,
     confined_workspace,
     directory,
+    principal_workspace_root,
 )
 from greenroom.actors.gateway.hubs import Hubs
 from greenroom.actors.runtime.host import Host
@@ -76,7 +77,8 @@ class SessionCreation:
     ) -> Session:
         """Create a session owned by ``principal``: the server's defaults, then the client's
         ``settings`` (checked already: none of ``CLIENT_SETTABLE_FORBIDDEN``); a
-        ``workspace`` must resolve under the workspace root (R-SEC-5); ``session_id``
+        ``workspace`` must resolve under the workspace root (R-SEC-5), or the principal's
+        own directory in it (``workspace_per_principal``, also its default); ``session_id``
         chooses its id. 429 beyond the principal's cap on open sessions (R-SEC-9). Its hub
         is running when it returns."""
         with self.reserve(principal):
@@ -148,10 +150,15 @@ class SessionCreation:
         defaults = self.defaults
         check_budgets(client_settings, defaults.settings)
         workspace: Path | WorkspaceIdentity
+        root = self.workspace_root
+        if defaults.workspace_per_principal:
+            assert root is not None  # set when the gateway starts
+            root = await trio.to_thread.run_sync(principal_workspace_root, root, principal)
+            # The principal's own root is its default workspace, checked as one it names.
+            workspace_param = "." if workspace_param is None else workspace_param
         if workspace_param is None:
             workspace = await trio.to_thread.run_sync(directory, defaults.workspace_dir)
         else:
-            root = self.workspace_root
             assert root is not None  # set when the gateway starts
             workspace = await trio.to_thread.run_sync(
                 confined_workspace, workspace_param, root, self.host.data_dir
