@@ -81,6 +81,7 @@ from greenroom.actors.apps.run import (
     collect_tools,
     data_dir_from,
     interrupt_on_sigint,
+    is_default_data_dir,
     mcp_servers,
     prepare_options,
     report_shell_confinement,
@@ -95,7 +96,6 @@ from greenroom.actors.runtime import (
     SessionNotFound,
     SessionOpenElsewhere,
     SessionStore,
-    default_data_dir,
 )
 from greenroom.actors.tools import ask_user
 from greenroom.protocols.content import ToolCallBlock
@@ -274,7 +274,7 @@ def how_to_answer(request: PendingApproval, data_dir: Path) -> str:
     """The command that answers ``request`` (with ``--data-dir`` when not the default),
     ready to paste: an approval's with ``allow`` and the other decisions named after it."""
     where = ""
-    if data_dir.absolute() != default_data_dir().absolute():
+    if not is_default_data_dir(data_dir):
         where = f"--data-dir {shlex.quote(str(data_dir))} "
     ids = f"{shlex.quote(request.session_id)} {shlex.quote(request.call_id)}"
     if request.kind == "in_doubt":

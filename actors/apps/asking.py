@@ -10,6 +10,7 @@ from typing import Any
 
 import trio
 
+from greenroom.actors.apps.exits import MAX_INPUT_BYTES, mib, print_error
 from greenroom.actors.apps.parser import ALLOW_ALL_SOURCE
 from greenroom.actors.apps.render import Renderer, arguments_text
 from greenroom.actors.runtime import (
@@ -62,21 +63,38 @@ class LineReader:
     worker thread, and one holding that lock would stall interpreter shutdown.
     """
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, *, max_bytes: int = MAX_INPUT_BYTES) -> None:
         self._fd = fd
-        self._buffer = b""
+        self._buffer = bytearray()
         self._eof = False
+        self._max_bytes = max_bytes
 
     def readline(self) -> str | None:
-        """The next line without its newline, or None at end of input. Blocking."""
-        while b"\n" not in self._buffer and not self._eof:
-            chunk = os.read(self._fd, 4096)
+        """The next line without its newline, or None at end of input. Blocking. A line
+        longer than ``max_bytes`` (a pipe from ``/dev/zero``, a binary file) ends the input,
+        said on stderr, rather than being read for ever."""
+        end = self._buffer.find(b"\n")
+        while end < 0 and not self._eof:
+            scanned = len(self._buffer)  # holds no line end
+            if scanned > self._max_bytes:
+                print_error(
+                    f"[input] a line longer than {mib(self._max_bytes)}: "
+                    "the rest of the input is not read"
+                )
+                self._buffer.clear()
+                self._eof = True
+                break
+            chunk = os.read(self._fd, 65536)
             if not chunk:
                 self._eof = True
             self._buffer += chunk
-        if not self._buffer:
-            return None
-        line, _, self._buffer = self._buffer.partition(b"\n")
+            end = self._buffer.find(b"\n", scanned)  # only the new bytes
+        if end < 0:
+            if not self._buffer:
+                return None
+            end = len(self._buffer)  # the last line, without a line end
+        line = bytes(self._buffer[:end])
+        del self._buffer[: end + 1]
         return line.decode("utf-8", errors="replace")
 
 

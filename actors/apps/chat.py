@@ -100,6 +100,7 @@ from greenroom.actors.apps.exits import EXIT_ABORTED, EXIT_OK, EXIT_USAGE, print
 from greenroom.actors.apps.render import HumanRenderer, arguments_text, color_enabled, summary_line
 from greenroom.actors.apps.run import (
     RunOptions,
+    is_default_data_dir,
     open_reported_session,
     prepare_options,
     refusal_words,
@@ -287,7 +288,7 @@ def mcp_help(mcp: McpView | None) -> str | None:
 def resume_command(session_id: str, data_dir: Path | None) -> str:
     """The command that continues this session (with its data dir when not the default)."""
     command = f"greenroom chat --session {session_id}"
-    if data_dir is not None and Path(data_dir).absolute() != default_data_dir().absolute():
+    if data_dir is not None and not is_default_data_dir(Path(data_dir)):
         command += f" --data-dir {shlex.quote(str(data_dir))}"
     return command
 

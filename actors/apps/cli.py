@@ -74,7 +74,7 @@ from greenroom.actors.apps.exits import (
     print_error,
 )
 from greenroom.actors.apps.parser import build_parser
-from greenroom.actors.apps.run import data_dir_from, run_command
+from greenroom.actors.apps.run import data_dir_from, refuse_unsafe_flag_file, run_command
 from greenroom.actors.apps.serve_command import acp_command, cluster_demo_command, serve_command
 from greenroom.actors.apps.trace_command import sessions_command, trace_command
 from greenroom.actors.providers import (
@@ -103,6 +103,7 @@ def main(argv: Sequence[str] | None = None, *, restore_sigint: bool = False) -> 
         if restore_sigint:
             # Inside the try: a KeyboardInterrupt from here on is handled below.
             signal.signal(signal.SIGINT, signal.default_int_handler)
+        closed = _open_standard_streams()
         for stream in (sys.stdout, sys.stderr):
             # A terminal or pipe that cannot encode a character must not crash the run.
             reconfigure = getattr(stream, "reconfigure", None)
@@ -118,12 +119,49 @@ def main(argv: Sequence[str] | None = None, *, restore_sigint: bool = False) -> 
         except BrokenPipeError:  # greenroom --help | head -1
             _discard_output()
             return EXIT_BROKEN_PIPE
+        if STDOUT_FD in closed and args.command not in ("serve", "cluster-demo"):
+            raise UsageError(
+                "stdout is closed, so what the command shows would be lost "
+                "(to discard it, send it to /dev/null)"
+            )
         return _dispatch(args)
     except BaseException as exc:
         code = _failure_exit_code(exc, args)
         if code is None:
             raise
         return code
+
+
+STDOUT_FD = 1
+
+_STANDARD_STREAMS = (("stdin", os.O_RDONLY), ("stdout", os.O_WRONLY), ("stderr", os.O_WRONLY))
+"""File descriptors 0, 1 and 2: the ``sys`` attribute of each and how it is opened."""
+
+
+def _open_standard_streams() -> frozenset[int]:
+    """Put /dev/null on each of file descriptors 0, 1 and 2 that the process was started
+    without (``greenroom run <&-``), with a ``sys`` stream on it where Python left None;
+    the descriptors that were closed. Left closed, the first file the command opens (a
+    trace, the usage ledger) would take the number and receive what is printed, and a
+    ``sys.stdin`` of None would end in a traceback."""
+    closed: set[int] = set()
+    for fd, (name, flags) in enumerate(_STANDARD_STREAMS):
+        try:
+            os.fstat(fd)
+        except OSError:
+            closed.add(fd)
+            devnull = os.open(os.devnull, flags)  # the lowest free number: fd itself
+            if devnull != fd:
+                os.dup2(devnull, fd)
+                os.close(devnull)
+        if getattr(sys, name) is None:
+            mode = "r" if flags == os.O_RDONLY else "w"
+            stream = open(  # noqa: SIM115 -- the process's stream, for its whole life
+                fd, mode, buffering=1 if name == "stderr" else -1, encoding="utf-8",
+                errors="backslashreplace", closefd=False,
+            )  # fmt: skip
+            setattr(sys, name, stream)
+    return frozenset(closed)
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -139,6 +177,7 @@ def _tool_hooks(args: argparse.Namespace) -> tuple[SessionObserver, ...]:
     path = getattr(args, "hooks", None)
     if path is None:
         return ()
+    refuse_unsafe_flag_file("--hooks", path)  # never a FIFO, a device or an endless file
     try:
         return (install_tool_hooks(load_hooks_file(path)),)
     except HooksFileError as exc:
@@ -269,6 +308,8 @@ def _problem_message(exc: BaseException, args: argparse.Namespace) -> str | None
         return None
     reason = exc.strerror or str(exc)
     if exc.filename is not None:
+        if isinstance(exc, FileExistsError):  # a directory was to be made where it is
+            reason = _in_the_way(Path(os.fsdecode(exc.filename))) or reason
         return f"{exc.filename}: {reason}"
     if args.command == "serve":
         # No file named: the listening socket (files always come with their name).
@@ -280,6 +321,19 @@ def _problem_message(exc: BaseException, args: argparse.Namespace) -> str | None
             return f"cannot listen on {args.host}:{args.port}: the port is in use"
         return f"cannot listen on {args.host}:{args.port}: {reason}"
     return reason
+
+
+def _in_the_way(path: Path) -> str | None:
+    """Why a directory cannot be made at ``path`` when the error said only that it exists:
+    it is a file, or a symbolic link to nothing (None when neither)."""
+    try:
+        if path.is_symlink() and not path.exists():
+            return f"it is {_broken_link(path)}, not a directory"
+        if path.exists() and not path.is_dir():
+            return "it is not a directory"
+    except OSError:
+        return None
+    return None
 
 
 def _say_last(message: str) -> None:
@@ -335,12 +389,28 @@ def _check_data_dir_of(args: argparse.Namespace) -> None:
     raise UsageError(problem)
 
 
+def _broken_link(path: Path) -> str:
+    """What is wrong with the symbolic link ``path``, whose target cannot be reached."""
+    try:
+        path.stat()
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "a symbolic link in a loop"
+        with contextlib.suppress(OSError):
+            return f"a symbolic link to {os.readlink(path)}, which does not exist"
+        return f"a symbolic link that cannot be followed ({exc.strerror})"
+    return "a symbolic link"  # reachable again already: a race, said plainly
+
+
 def data_dir_problem(path: Path, *, write: bool) -> str | None:
     """Why ``path`` cannot serve as a data dir (it is a file, it cannot be created, it is
     not writable when ``write``), or None when it can (it may not exist yet)."""
     try:
         existing = path
         while not existing.exists() and existing != existing.parent:
+            if existing.is_symlink():  # exists() is False for a link to nothing, or a loop
+                where = "" if existing == path else f"cannot use {path}: "
+                return f"{where}{existing} is {_broken_link(existing)}"
             existing = existing.parent
         if existing == path:
             if not path.is_dir():

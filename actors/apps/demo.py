@@ -116,8 +116,13 @@ def _demo(args: argparse.Namespace, base: Path | None) -> int:
     data_dir = Path(args.data_dir).expanduser() if args.data_dir else _under(base, "data")
     try:
         csv_files = write_demo_workspace(workspace)
+    except FileExistsError:  # made as a directory where a file is
+        raise UsageError(f"--workspace: {workspace} is not a directory") from None
     except OSError as exc:
-        raise UsageError(f"--workspace: cannot write the demo files: {exc}") from None
+        where = workspace if exc.filename is None else exc.filename
+        raise UsageError(
+            f"--workspace: cannot write the demo files: {where}: {exc.strerror or exc}"
+        ) from None
     provider = provider_for(args.provider, args.model)
     say = print_error if args.json else _say
     say("greenroom demo")

@@ -26,8 +26,19 @@ EXIT_CODES: dict[str, int] = {
 """Process exit code for each ``task_end`` status."""
 
 
+MAX_INPUT_BYTES = 16 * 1024 * 1024
+"""The most a prompt on stdin, a line of input, or a file a flag names (``--prices``,
+``--hooks``, ``--output-schema``, ``--mcp-config``) may hold: a path or a pipe that brings a
+device, a log or an endless stream by mistake is refused once past it, never read for ever."""
+
+
 class UsageError(Exception):
     """A command line that cannot run: the message is shown and the exit code is 2."""
+
+
+def mib(size: int) -> str:
+    """``size`` bytes in whole MiB, as limits are said."""
+    return f"{size // (1024 * 1024)} MiB"
 
 
 def print_error(message: str) -> None:

@@ -27,37 +27,60 @@ SESSION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 # -- argument parsing ---------------------------------------------------------------------
 
 
-def _max_turns(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value == -1 or value >= 1:
-        return value
-    raise argparse.ArgumentTypeError(f"must be -1 (no limit) or at least 1, got {value}")
-
-
 LARGEST_NUMBER = 2**53
 """No flag's number means anything past this, the sessions' settings' bound
 (``protocols.jsonrpc.MAX_SETTING_NUMBER``, not imported here for a fast start): refused
 as the flag is read, not when the first session is made with it."""
 
 
-def _int(text: str) -> int:
+def _int(
+    text: str,
+    *,
+    least: int = -LARGEST_NUMBER,
+    most: int = LARGEST_NUMBER,
+    below: str | None = None,
+    above: str | None = None,
+) -> int:
+    """A whole number from ``least`` to ``most``; ``below`` and ``above`` say what is wrong
+    with one outside them, however far outside."""
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if abs(value) > LARGEST_NUMBER:
-        raise argparse.ArgumentTypeError(f"must be at most {LARGEST_NUMBER}, got {text}")
+    if value < least:
+        raise argparse.ArgumentTypeError(below or f"must be at least {least}, got {text}")
+    if value > most:
+        raise argparse.ArgumentTypeError(above or f"must be at most {most}, got {text}")
     return value
+
+
+def _max_turns(text: str) -> int:
+    no_limit_or_more = f"must be -1 (no limit) or at least 1, got {text}"
+    value = _int(text, least=-1, below=no_limit_or_more)
+    if value == 0:
+        raise argparse.ArgumentTypeError(no_limit_or_more)
+    return value
+
+
+def _user_path(text: str) -> str:
+    """A path flag's value with a leading ``~`` or ``~user`` expanded, as a shell would
+    have done: one that names no home directory (an unknown user; no ``$HOME`` and no
+    account entry) is refused as the flag is read, not met as a traceback where the path
+    is first used."""
+    if not text.startswith("~"):
+        return text
+    expanded = os.path.expanduser(text)
+    if expanded.startswith("~"):  # os.path leaves what it cannot expand as it was
+        head = text.split("/", 1)[0]
+        raise argparse.ArgumentTypeError(
+            f"cannot expand {head} in {text!r}: no such user, or no home directory"
+        )
+    return expanded
 
 
 def _port(text: str) -> int:
-    value = _int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 65535, got {value}")
-    return value
+    between = f"must be between 0 and 65535, got {text}"
+    return _int(text, least=0, most=65535, below=between, above=between)
 
 
 _ORIGIN = re.compile(
@@ -150,16 +173,14 @@ class _CommandParser(argparse.ArgumentParser):
 
 
 def _positive_int(text: str) -> int:
-    value = _int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+    return _int(text, least=1)
 
 
 def _add_data_dir(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data-dir",
         metavar="DIR",
+        type=_user_path,
         help="where sessions, traces and the usage ledger live "
         "(default: $GREENROOM_HOME or ~/.greenroom)",
     )
@@ -222,6 +243,7 @@ def _add_hooks_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--hooks",
         metavar="FILE",
+        type=_user_path,
         help='command hooks: a JSON file {"before_tool": [{"match", "command", "timeout"}], '
         '"after_tool": [...]} of programs run before and after tool calls (default: none)',
     )
@@ -232,12 +254,16 @@ def _add_session_flags(parser: argparse.ArgumentParser) -> None:
     limits, the shell sandbox."""
     _add_model_flags(parser)
     parser.add_argument(
-        "--workspace", metavar="DIR", help="the directory the tools work in (default: .)"
+        "--workspace",
+        metavar="DIR",
+        type=_user_path,
+        help="the directory the tools work in (default: .)",
     )
     _add_data_dir(parser)
     parser.add_argument(
         "--tools",
         metavar="FILE_OR_MODULE",
+        type=_user_path,
         action="append",
         default=[],
         help="load every @tool of a .py file or an importable module (repeatable; default: none)",
@@ -246,6 +272,7 @@ def _add_session_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mcp-config",
         metavar="FILE",
+        type=_user_path,
         action="append",
         default=[],
         help='the tools of the MCP servers of an {"mcpServers": …} file, named '
@@ -297,6 +324,7 @@ def _add_session_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prices",
         metavar="FILE",
+        type=_user_path,
         help='model prices over the built-in table: JSON {"MODEL": {"input": USD, "output": '
         'USD, "cache_read": USD, "cache_write": USD}} per million tokens (the cache rates '
         "default to input; default: the built-in prices only)",
@@ -337,9 +365,14 @@ def build_parser() -> argparse.ArgumentParser:
         "region. Without ANTHROPIC_API_KEY it runs greenroom's built-in scripted model.",
     )
     demo.add_argument(
-        "--workspace", metavar="DIR", help="write the demo files here (default: a temp dir)"
+        "--workspace",
+        metavar="DIR",
+        type=_user_path,
+        help="write the demo files here (default: a temp dir)",
     )
-    demo.add_argument("--data-dir", metavar="DIR", help="session data (default: a temp dir)")
+    demo.add_argument(
+        "--data-dir", metavar="DIR", type=_user_path, help="session data (default: a temp dir)"
+    )
     demo.add_argument(
         "--approve",
         choices=APPROVE_MODES,
@@ -381,6 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--output-schema",
         metavar="FILE",
+        type=_user_path,
         help="a JSON Schema file (of an object): the answer must match it, and only its "
         "JSON is printed on stdout (the conversation goes to stderr)",
     )
@@ -451,6 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--token-file",
         metavar="F",
+        type=_user_path,
         help="file holding the bearer token, created with a new token when missing "
         "(default: DATA_DIR/serve.token, mode 0600)",
     )
@@ -473,6 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--tokens-file",
         metavar="F",
+        type=_user_path,
         help="one 'CLIENT_ID TOKEN' per line ('#' comments): each token is a client that "
         "sees and steers only its own sessions, instead of --token-file (default: none)",
     )
@@ -528,6 +564,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--workspace-root",
         metavar="DIR",
+        type=_user_path,
         help="directory under which a client's session.create {workspace} must resolve; "
         "the data dir must be outside it (default: --workspace)",
     )
@@ -685,6 +722,7 @@ def _add_mcp_commands(commands: Any) -> None:
     login.add_argument(
         "--mcp-config",
         metavar="FILE",
+        type=_user_path,
         action="append",
         default=[],
         help="the file that configures NAME (repeatable)",
@@ -698,10 +736,7 @@ def _add_mcp_commands(commands: Any) -> None:
 
 
 def _seq(text: str) -> int:
-    value = _int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"a seq is 0 or more, got {value}")
-    return value
+    return _int(text, least=0, below=f"a seq is 0 or more, got {text}")
 
 
 def _add_time_travel_commands(commands: Any) -> None:
@@ -763,6 +798,7 @@ def _add_time_travel_commands(commands: Any) -> None:
     replay.add_argument(
         "--tools",
         metavar="FILE_OR_MODULE",
+        type=_user_path,
         action="append",
         default=[],
         help="the tools of a .py file or module the session had (repeatable)",
@@ -770,6 +806,7 @@ def _add_time_travel_commands(commands: Any) -> None:
     replay.add_argument(
         "--mcp-config",
         metavar="FILE",
+        type=_user_path,
         action="append",
         default=[],
         help="the MCP servers' tools the session had (repeatable)",
@@ -859,6 +896,7 @@ def _add_answer_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tools",
         metavar="FILE_OR_MODULE",
+        type=_user_path,
         action="append",
         default=[],
         help="the tools of a .py file or module the session was given (repeatable)",
@@ -866,6 +904,7 @@ def _add_answer_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mcp-config",
         metavar="FILE",
+        type=_user_path,
         action="append",
         default=[],
         help="the MCP servers' tools the session was given (repeatable)",
@@ -887,8 +926,25 @@ def _version() -> str:
         return "unknown"
 
 
+MAX_SESSION_ID = 255
+"""The longest session id: a directory name can be no longer."""
+
+
+def is_session_id(text: str) -> bool:
+    """Whether ``text`` can name a session: ids become directory names, so nothing that
+    could walk out of the data dir, and nothing longer than a name can be."""
+    return len(text) <= MAX_SESSION_ID and SESSION_ID.fullmatch(text) is not None
+
+
+def not_a_session_id(text: str) -> str:
+    """The words for ``text`` when it is no session id, clipped: it may be a whole file's
+    worth of characters."""
+    shown = repr(text) if len(text) <= 80 else f"{text[:60]!r}… ({len(text)} characters)"
+    return f"{shown} is not a session id"
+
+
 def check_session_id(session_id: str, *, what: str = "--session") -> None:
     """Raise :class:`UsageError` (naming ``what`` gave it) unless ``session_id`` can name
-    a session: ids become directory names, so nothing that could walk out of the data dir."""
-    if not SESSION_ID.fullmatch(session_id):
-        raise UsageError(f"{what}: {session_id!r} is not a session id")
+    a session (:func:`is_session_id`)."""
+    if not is_session_id(session_id):
+        raise UsageError(f"{what}: {not_a_session_id(session_id)}")

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import os
 import shlex
 import shutil
 import signal
+import stat
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -26,7 +28,9 @@ from greenroom.actors.apps.exits import (
     EXIT_CODES,
     EXIT_FAILED,
     EXIT_USAGE,
+    MAX_INPUT_BYTES,
     UsageError,
+    mib,
     print_error,
 )
 from greenroom.actors.apps.parser import ALLOW_ALL_SOURCE, check_session_id
@@ -78,8 +82,33 @@ from greenroom.protocols.tools import Tool, json_error_reason
 
 
 def data_dir_from(value: str | None) -> Path:
-    """The absolute data dir ``--data-dir`` names, or the default one when it names none."""
-    return (Path(value).expanduser() if value else default_data_dir()).absolute()
+    """The absolute data dir ``--data-dir`` names, or the default one when it names none.
+    Raises :class:`UsageError` when the default is wanted and there is no home directory to
+    hold it (no ``$HOME`` and no account entry, as for a container's numeric user)."""
+    if value:
+        return Path(value).expanduser().absolute()
+    try:
+        return default_data_dir().absolute()
+    except RuntimeError:  # pathlib: "Could not determine home directory."
+        named = os.environ.get("GREENROOM_HOME")
+        if named:
+            raise UsageError(
+                f"GREENROOM_HOME={named!r}: cannot expand its ~: no such user, or no home "
+                "directory"
+            ) from None
+        raise UsageError(
+            "there is no home directory for the default data dir (~/.greenroom): "
+            "choose one with --data-dir or $GREENROOM_HOME"
+        ) from None
+
+
+def is_default_data_dir(data_dir: Path) -> bool:
+    """Whether ``data_dir`` is the one a command uses without ``--data-dir`` (commands it
+    prints for pasting then leave the flag out); never, when there is no default."""
+    try:
+        return data_dir.absolute() == default_data_dir().absolute()
+    except RuntimeError:  # no home directory: no default data dir
+        return False
 
 
 # -- run ------------------------------------------------------------------------------------
@@ -136,7 +165,7 @@ def run_command(args: argparse.Namespace) -> int:
     if not words or words == ["-"]:
         if not words and sys.stdin.isatty():
             raise UsageError("no prompt: give PROMPT or pipe it on stdin")
-        prompt = sys.stdin.read()
+        prompt = prompt_from_stdin()
     else:
         prompt = " ".join(words)
     if not prompt.strip():
@@ -187,14 +216,96 @@ def run_options(args: argparse.Namespace, prompt: str) -> RunOptions:
     )
 
 
+def prompt_from_stdin() -> str:
+    """``run``'s prompt from stdin: at most :data:`MAX_INPUT_BYTES` of UTF-8 text, or a
+    :class:`UsageError` that says which of these it is not (whatever encoding the locale or
+    ``PYTHONIOENCODING`` gives ``sys.stdin``: the bytes are read and decoded here)."""
+    too_large = f"the prompt on stdin is larger than {mib(MAX_INPUT_BYTES)}"
+    source = getattr(sys.stdin, "buffer", None)
+    if source is None:  # a text stream put in its place (in-process callers)
+        text: str = sys.stdin.read(MAX_INPUT_BYTES + 1)
+        if len(text) > MAX_INPUT_BYTES:
+            raise UsageError(too_large)
+        return text
+    data: bytes = source.read(MAX_INPUT_BYTES + 1)
+    if len(data) > MAX_INPUT_BYTES:
+        raise UsageError(too_large)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(
+            f"the prompt on stdin is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset "
+            f"{exc.start}): convert it first, for example with iconv"
+        ) from None
+
+
+def flag_file_problem(status: os.stat_result) -> str | None:
+    """Why a file with ``status`` cannot be a flag's file, in the words of ``strerror``:
+    a FIFO or a device would be waited on or read for ever, so only regular files (and,
+    for the callers' own message, directories) pass; a regular one must fit in
+    :data:`MAX_INPUT_BYTES`."""
+    mode = status.st_mode
+    if stat.S_ISDIR(mode):
+        return os.strerror(errno.EISDIR)
+    if stat.S_ISFIFO(mode):
+        return "it is a FIFO (a named pipe), not a regular file"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "it is a device, not a regular file"
+    if not stat.S_ISREG(mode):
+        return "it is not a regular file"
+    if status.st_size > MAX_INPUT_BYTES:
+        return f"it is larger than {mib(MAX_INPUT_BYTES)}"
+    return None
+
+
+def read_flag_file(path: str | Path) -> str:
+    """The UTF-8 text of the file at ``path`` (``~`` expanded), read once from the file
+    opened: raises :class:`OSError` (``strerror`` says why) when it cannot be opened, is not
+    a regular file (refused before any read: opening does not wait for a FIFO's writer) or
+    holds more than :data:`MAX_INPUT_BYTES`, and :class:`UnicodeDecodeError` when it is not
+    UTF-8."""
+    where = str(path)
+    target = Path(path).expanduser()
+    problem = flag_file_problem(os.stat(target))
+    if problem is not None:  # refused unopened: opening a device may act on it
+        raise OSError(errno.EINVAL, problem, where)
+    fd = os.open(target, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        problem = flag_file_problem(os.fstat(fd))  # what was opened, if it changed since
+        if problem is not None:
+            raise OSError(errno.EINVAL, problem, where)
+        chunks: list[bytes] = []
+        size = 0
+        # Up to one byte past the bound: a file in /proc says its size is 0.
+        while size <= MAX_INPUT_BYTES and (chunk := os.read(fd, MAX_INPUT_BYTES + 1 - size)):
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > MAX_INPUT_BYTES:
+        raise OSError(errno.EFBIG, f"it is larger than {mib(MAX_INPUT_BYTES)}", where)
+    return data.decode("utf-8")
+
+
+def flag_file_text(flag: str, path: str) -> str:
+    """:func:`read_flag_file` for ``flag``: a file it cannot read is a :class:`UsageError`
+    naming the flag, the file and why."""
+    try:
+        return read_flag_file(path)
+    except UnicodeDecodeError as exc:
+        bad = exc.object[exc.start]
+        raise UsageError(
+            f"{flag}: {path}: not UTF-8 text (byte 0x{bad:02x} at offset {exc.start})"
+        ) from None
+    except OSError as exc:
+        raise UsageError(f"{flag}: {path}: cannot read it: {exc.strerror or exc}") from None
+
+
 def output_schema_file(path: str) -> OutputSpec:
     """The answer a ``--output-schema`` file requires (R-OUT-1); a file that cannot be
     read or used is a :class:`UsageError` naming it and the problem."""
-    try:
-        raw = Path(path).expanduser().read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise UsageError(f"--output-schema: {path}: cannot read it: {reason}") from None
+    raw = flag_file_text("--output-schema", path)
     try:
         schema = json.loads(raw)
     except (ValueError, RecursionError) as exc:
@@ -210,11 +321,7 @@ def prices_file(path: str | None) -> dict[str, Price] | None:
     be read or used is a :class:`UsageError` naming it and the problem."""
     if path is None:
         return None
-    try:
-        raw = Path(path).expanduser().read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise UsageError(f"--prices: {path}: cannot read it: {reason}") from None
+    raw = flag_file_text("--prices", path)
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError) as exc:
@@ -245,10 +352,26 @@ def mcp_servers(paths: Sequence[str]) -> Mapping[str, Any]:
     def warn(message: str) -> None:
         print_error(f"warning: --mcp-config: {message}")
 
+    for path in paths:
+        refuse_unsafe_flag_file("--mcp-config", path)
     try:
         return load_config_files(paths, warn)
     except McpConfigError as exc:
         raise UsageError(f"--mcp-config: {exc}") from None
+
+
+def refuse_unsafe_flag_file(flag: str, path: str) -> None:
+    """Refuse, before its loader reads it, a file ``flag`` names that is a FIFO, a device or
+    too large (:func:`flag_file_problem`), as a :class:`UsageError`; the loader reports
+    everything else in its own words (a file that is missing, a directory, not UTF-8, not
+    JSON)."""
+    try:
+        status = os.stat(Path(path).expanduser())  # not opened: a device's open may act
+    except OSError:
+        return
+    problem = None if stat.S_ISDIR(status.st_mode) else flag_file_problem(status)
+    if problem is not None:
+        raise UsageError(f"{flag}: {path}: {problem}")
 
 
 def collect_tools(
@@ -274,6 +397,11 @@ def collect_tools(
             loaded = load_tools(spec)
         except ToolLoadError as exc:
             raise UsageError(f"--tools: {exc}") from None
+        except SystemExit as exc:  # the module's own code called sys.exit() as it loaded
+            raise UsageError(
+                f"--tools: importing {spec} called sys.exit({exc.code!r}): a tool module "
+                "must not exit when it is imported"
+            ) from None
         for loaded_tool in loaded:
             tools[loaded_tool.name] = loaded_tool
     if a2a_agents:
@@ -561,7 +689,7 @@ def refusal_words(exc: GreenroomError, session_id: str, data_dir: Path) -> str:
     if not isinstance(exc, Busy):
         return str(exc)
     where = ""
-    if data_dir.absolute() != default_data_dir().absolute():
+    if not is_default_data_dir(data_dir):
         where = f" --data-dir {shlex.quote(str(data_dir))}"
     return (
         f"session {session_id} has a task waiting for a person's answer: "

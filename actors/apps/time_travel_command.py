@@ -22,7 +22,7 @@ from greenroom.actors.apps.parser import check_session_id
 from greenroom.actors.apps.replay import replay_session
 from greenroom.actors.apps.run import collect_tools, data_dir_from, mcp_servers
 from greenroom.actors.providers import PROVIDERS, default_model
-from greenroom.actors.runtime import Busy, Host, SeqRefused, SessionNotFound
+from greenroom.actors.runtime import Busy, GreenroomError, Host, SeqRefused, SessionNotFound
 from greenroom.actors.scripted import ScriptedProvider
 from greenroom.protocols.replay import render_report
 from greenroom.protocols.tools import Tool
@@ -83,6 +83,18 @@ async def _rewind(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+async def _check_readable(host: Host, session_id: str) -> None:
+    """A stored session whose metadata cannot be read is a :class:`UsageError` saying where
+    and why, as ``fork`` and ``rewind`` say it (a missing one is the replay's to say)."""
+    catalog = host.trace_store.catalog
+    if not await catalog.exists(session_id):
+        return
+    try:
+        await catalog.read_meta(session_id)
+    except GreenroomError as exc:  # what the store raises for metadata it cannot use
+        raise UsageError(f"session {session_id!r} is unreadable: {exc}") from None
+
+
 def replay_command(args: argparse.Namespace) -> int:
     """``greenroom replay SESSION_ID --provider P [--model M]``: the report; exit 0 when
     every replayed task completed, else the first other status's code."""
@@ -102,6 +114,7 @@ async def _replay(
     if args.base_url is not None:
         overrides["base_url"] = args.base_url
     async with Host.open(data_dir_from(args.data_dir), observers=args.observers) as host:
+        await _check_readable(host, args.session_id)
         try:
             report = await replay_session(
                 host,

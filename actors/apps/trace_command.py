@@ -11,7 +11,7 @@ import time
 import attrs
 
 from greenroom.actors.apps.exits import EXIT_FAILED, EXIT_OK, UsageError, print_error
-from greenroom.actors.apps.parser import SESSION_ID
+from greenroom.actors.apps.parser import is_session_id, not_a_session_id
 from greenroom.actors.apps.render import format_record
 from greenroom.actors.apps.run import data_dir_from
 from greenroom.actors.runtime import (
@@ -61,8 +61,8 @@ async def sessions_command(args: argparse.Namespace) -> int:
 async def trace_command(args: argparse.Namespace) -> int:
     """``greenroom trace``: a session's latest trace, one line (or JSON object) a record."""
     session_id: str = args.session_id
-    if not SESSION_ID.fullmatch(session_id):
-        raise UsageError(f"{session_id!r} is not a session id")
+    if not is_session_id(session_id):
+        raise UsageError(not_a_session_id(session_id))
     data_dir = data_dir_from(args.data_dir)
     # The file store itself, not a host: reading starts no writer, creates nothing and
     # needs no write permission on the data dir.
