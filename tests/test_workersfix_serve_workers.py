@@ -115,13 +115,11 @@ def _delays(log: SupervisorLog) -> list[float]:
     return [float(m) for line in log.lines for m in re.findall(r"again in ([\d.]+) s", line)]
 
 
-def test_a_worker_that_keeps_crashing_is_given_up_after_growing_waits_and_the_other_serves(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def _supervise_until(
+    config: Any, log: SupervisorLog, found: dict[str, Any], then: Any
 ) -> None:
-    # Each restart of a worker that crashed once it served came at once, for ever: a crash
-    # loop kept a core busy starting Python processes, and no message said anything.
-    config, log = _in_process(monkeypatch, tmp_path, 2, crashing="w1")
-    found: dict[str, Any] = {}
+    """Run the supervisor in process (its exit code in ``found["code"]``), crash ``w1``
+    once it supervises, then ``await then()``; its processes are killed at the end."""
 
     async def main() -> None:
         with trio.fail_after(30):
@@ -133,15 +131,29 @@ def test_a_worker_that_keeps_crashing_is_given_up_after_growing_waits_and_the_ot
                 nursery.start_soon(serve)
                 await log.wait_for("supervises")
                 os.kill(log.pids["w1"][0], signal.SIGKILL)  # from now on it crashes at once
-                await log.wait_for("worker w1 exited (exit code 3), failing")
-                (w2,) = log.pids["w2"]
-                found["w2 alive"] = _alive(w2)
-                os.kill(os.getpid(), signal.SIGTERM)  # the supervisor's signal receiver
+                await then()
 
     try:
         trio.run(main)
     finally:
         log.kill_all()
+
+
+def test_a_worker_that_keeps_crashing_is_given_up_after_growing_waits_and_the_other_serves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each restart of a worker that crashed once it served came at once, for ever: a crash
+    # loop kept a core busy starting Python processes, and no message said anything.
+    config, log = _in_process(monkeypatch, tmp_path, 2, crashing="w1")
+    found: dict[str, Any] = {}
+
+    async def then() -> None:
+        await log.wait_for("worker w1 exited (exit code 3), failing")
+        (w2,) = log.pids["w2"]
+        found["w2 alive"] = _alive(w2)
+        os.kill(os.getpid(), signal.SIGTERM)  # the supervisor's signal receiver
+
+    _supervise_until(config, log, found, then)
     restart_limit = getattr(workers, "RESTART_LIMIT", 5)
     assert len(log.pids["w1"]) == 1 + restart_limit
     assert log.count("not starting it again") == 1
@@ -156,23 +168,12 @@ def test_when_every_worker_keeps_crashing_the_supervisor_stops(
     # The supervisor went on with no worker left serving: the port refused every client
     # while a service manager saw it running.
     config, log = _in_process(monkeypatch, tmp_path, 1, crashing="w1")
-    found: dict[str, int] = {}
+    found: dict[str, Any] = {}
 
-    async def main() -> None:
-        with trio.fail_after(30):
-            async with trio.open_nursery() as nursery:
+    async def then() -> None:
+        pass
 
-                async def serve() -> None:
-                    found["code"] = await workers.serve_workers(config)
-
-                nursery.start_soon(serve)
-                await log.wait_for("supervises")
-                os.kill(log.pids["w1"][0], signal.SIGKILL)
-
-    try:
-        trio.run(main)
-    finally:
-        log.kill_all()
+    _supervise_until(config, log, found, then)
     assert found == {"code": 2}
     assert log.lines[-1] == "every worker keeps failing; stopping"
 
@@ -213,7 +214,7 @@ def test_a_port_another_workers_supervisor_listens_on_is_refused(
         other.bind(("127.0.0.1", 0))
         other.listen()
         port = other.getsockname()[1]
-        found: dict[str, int] = {}
+        found: dict[str, Any] = {}
 
         async def main() -> None:
             with trio.fail_after(60):
