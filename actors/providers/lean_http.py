@@ -16,8 +16,10 @@ on one shared tick, see :data:`READS_PER_SECOND`),
 keep-alive connections reused per origin (an idle connection is dropped after
 :data:`KEEPALIVE_EXPIRY_S` or when the server has closed it), bodies framed by
 ``transfer-encoding: chunked``, ``content-length`` or the connection's end, ``gzip`` and
-``deflate`` bodies decoded. No proxies, no redirects, no HTTP/2: the providers fall back to
-their SDK or httpx when a proxy applies.
+``deflate`` bodies decoded (another content coding is refused, naming it). Heads are read
+as h11 reads them: CRLF or bare LF line breaks, obsolete folded header lines unfolded.
+No proxies, no HTTP/2, and no redirects here (:mod:`~greenroom.actors.providers.lean_wire`
+follows 307 and 308): the providers fall back to their SDK or httpx when a proxy applies.
 
 Failures, each with the wording of httpcore's equivalent, so that
 :func:`~greenroom.actors.providers.base.transport_failure` (which reads class names) words
@@ -43,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import select
 import ssl
 import sys
@@ -893,16 +896,19 @@ class _Reader:
 
     async def _read_head(self) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
         while True:
-            end = self._buffer.find(b"\r\n\r\n")
-            while end < 0:
+            # A blank line ends the head, its line breaks CRLF or a bare LF: h11 (the
+            # library paths' parser) reads both, and a server behind a lax proxy works
+            # on both paths alike (R-SEC-1).
+            end = _BLANK_LINE.search(self._buffer)
+            while end is None:
                 if len(self._buffer) > MAX_HEAD_BYTES:
                     raise RemoteProtocolError("response head too long")
                 data = await self.receive()
                 if not data:
                     raise RemoteProtocolError("Server disconnected without sending a response.")
                 self._buffer += data
-                end = self._buffer.find(b"\r\n\r\n")
-            head, self._buffer = self._buffer[:end], self._buffer[end + 4 :]
+                end = _BLANK_LINE.search(self._buffer)
+            head, self._buffer = self._buffer[: end.start()], self._buffer[end.end() :]
             status, reason, headers = self._parse_head(head)
             if status == 101:
                 # No request of this client asks to switch protocols: what follows is not
@@ -912,7 +918,7 @@ class _Reader:
                 return status, reason, headers
 
     def _parse_head(self, head: bytes) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
-        lines = head.split(_CRLF)
+        lines = _head_lines(head)
         parts = lines[0].split(b" ", 2)
         # A status is three digits from 100 (as h11, the library paths' parser, reads it).
         if (
@@ -921,13 +927,16 @@ class _Reader:
             or len(parts[1]) != 3
             or not parts[1].isdigit()
             or parts[1] < b"100"
+            or b"\r" in lines[0]
         ):
             raise RemoteProtocolError(f"illegal status line: {lines[0][:100]!r}")
         headers: list[tuple[bytes, bytes]] = []
         length: bytes | None = None
         for line in lines[1:]:
             name, colon, value = line.partition(b":")
-            if not colon or not name or name != name.strip():
+            # A CR or NUL left inside a line is refused, as h11 refuses it: a line break
+            # that one reader sees and another does not splits a response in two.
+            if not colon or not name or name != name.strip() or b"\r" in line or b"\0" in line:
                 raise RemoteProtocolError(f"illegal header line: {line[:100]!r}")
             value = value.strip(b" \t")
             lower = name.lower()
@@ -947,6 +956,39 @@ class _Reader:
 
     def push_back(self, data: bytes) -> None:
         self._buffer = data + self._buffer
+
+
+_BLANK_LINE = re.compile(rb"\n\r?\n")
+"""The blank line that ends a head (or a body's trailers): CRLF or bare LF line breaks."""
+
+
+def _head_lines(head: bytes) -> list[bytes]:
+    """The status line and header lines of ``head`` (without its blank line), as h11
+    reads them: lines end with CRLF or a bare LF, and an obsolete folded line (one that
+    begins with a space or a tab) continues the header line before it, joined with one
+    space; a :class:`RemoteProtocolError` when the first header line is one."""
+    lines = [line[:-1] if line[-1:] == b"\r" else line for line in head.split(b"\n")]
+    unfolded = lines[:1]
+    for line in lines[1:]:
+        if line[:1] in (b" ", b"\t"):
+            if len(unfolded) == 1:
+                raise RemoteProtocolError("continuation line at start of headers")
+            unfolded[-1] += b" " + line.lstrip(b" \t")
+        else:
+            unfolded.append(line)
+    return unfolded
+
+
+def _trailers_end(buffer: bytes, start: int) -> int:
+    """Where the trailers that begin at ``start`` of ``buffer`` (after the last chunk's
+    size line) end, past their blank line; -1 while they have not all arrived. Read as
+    h11 reads them: no trailers, or lines ending with CRLF or a bare LF."""
+    if buffer.startswith(b"\n", start):
+        return start + 1
+    if buffer.startswith(_CRLF, start):
+        return start + 2
+    end = _BLANK_LINE.search(buffer, start)
+    return -1 if end is None else end.end()
 
 
 def _content_length(value: bytes, seen: bytes | None) -> bytes:
@@ -986,7 +1028,7 @@ class RawBody:
         self._keep_alive = reader.http_11
         self._length: int | None = None
         self._chunked = False
-        self._encoding = b""
+        codings: list[bytes] = []
         for name, value in headers:
             lower = name.lower()
             if lower == b"transfer-encoding" and b"chunked" in value.lower():
@@ -997,7 +1039,9 @@ class RawBody:
             elif lower == b"connection" and b"close" in value.lower():
                 self._keep_alive = False
             elif lower == b"content-encoding":
-                self._encoding = value.strip().lower()
+                codings.extend(coding.strip().lower() for coding in value.split(b","))
+        # Every coding named, in order, as the library paths read them (``body_encoding``).
+        self._encoding = b", ".join(c for c in codings if c and c != b"identity")
         self._empty = method == b"HEAD" or status in (204, 304)
         if not self._chunked and self._length is None and not self._empty:
             self._keep_alive = False  # the body ends with the connection
@@ -1015,18 +1059,18 @@ class RawBody:
         return BodyDeadline(self._reader, every_read=not progress)
 
     def __aiter__(self) -> AsyncGenerator[bytes, None]:
-        if self._encoding in (b"", b"identity"):
+        if not self._encoding:
             return self._pieces()
-        return self._decoded(self._encoding)
+        return self._decoded(self._encoding.decode("latin-1"))
 
-    async def _decoded(self, encoding: bytes) -> AsyncGenerator[bytes, None]:
-        # Sent only when a server ignores ``accept-encoding: identity``; an encoding zlib
-        # cannot read is handed on as it is (the decoder then finds it malformed).
-        if encoding not in (b"gzip", b"deflate"):
-            async for piece in self._pieces():
-                yield piece
-            return
-        pieces = inflated(self._pieces(), encoding.decode(), RemoteProtocolError)
+    async def _decoded(self, encoding: str) -> AsyncGenerator[bytes, None]:
+        # Sent only when a server ignores ``accept-encoding: identity``. An encoding zlib
+        # cannot read (``br``, ``zstd``, several stacked) fails the body before a byte of
+        # it is read, naming it, as on the library paths: handed on as it is, the
+        # decoder found it malformed and said nothing of why (R-SEC-1).
+        if encoding not in READABLE_ENCODINGS:
+            raise RemoteProtocolError(unreadable_encoding(encoding))
+        pieces = inflated(self._pieces(), encoding, RemoteProtocolError)
         async with contextlib.aclosing(pieces):
             async for data in pieces:
                 yield data
@@ -1202,19 +1246,33 @@ class _ChunkedBody:
             chunk_size = int(size_text, 16)
             if chunk_size == 0:
                 # The last chunk, then trailers (ignored) up to a blank line.
-                end = buffer.find(b"\r\n\r\n", line_end)
+                end = _trailers_end(buffer, line_end + 2)
                 if end < 0:
                     if size - pos > MAX_HEAD_BYTES:
                         raise RemoteProtocolError("chunked trailers too long")
                     break
                 self.done = True
                 self._buffer = b""
-                self._reader.push_back(buffer[end + 4 :])
+                self._reader.push_back(buffer[end:])
                 return b"".join(pieces)
             self._remaining = chunk_size
             pos = line_end + 2
         self._buffer = buffer[pos:]
         return b"".join(pieces)
+
+
+READABLE_ENCODINGS = ("gzip", "deflate")
+"""The content codings a body may come in (zlib's): the libraries ask for these, the lean
+path for none; a server that sends another has its body refused (:func:`unreadable_encoding`)."""
+
+
+def unreadable_encoding(encoding: str) -> str:
+    """The words for a body in a content coding not in :data:`READABLE_ENCODINGS`
+    (``encoding``: the codings it names, ``", "``-joined), the same on every path."""
+    return (
+        f"the server sent a body with content-encoding {encoding!r}, "
+        "which greenroom does not read (it asks for gzip, deflate or none)"
+    )
 
 
 async def inflated(
@@ -1260,6 +1318,7 @@ async def inflated(
 __all__ = [
     "DEADLINE_SLACK",
     "KEEPALIVE_EXPIRY_S",
+    "READABLE_ENCODINGS",
     "URL",
     "BodyDeadline",
     "ConnectError",
@@ -1284,4 +1343,5 @@ __all__ = [
     "environment_proxy",
     "inflated",
     "parse_url",
+    "unreadable_encoding",
 ]

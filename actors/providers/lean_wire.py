@@ -30,6 +30,7 @@ from greenroom.actors.providers.base import (
     transport_failure,
 )
 from greenroom.actors.providers.lean_http import (
+    URL,
     ConnectError,
     ConnectionPool,
     ReadTimeout,
@@ -95,7 +96,32 @@ cannot make a failed request hold unbounded memory."""
 MAX_REDIRECTS = 5
 """307 and 308 redirects followed for one request before its last response counts."""
 
-_CREDENTIALS = (b"authorization", b"x-api-key")
+REDIRECTS = (307, 308)
+"""The redirects followed, on the lean path and the library paths alike: those that keep
+the method and the body."""
+
+CREDENTIALS = (b"authorization", b"x-api-key")
+"""The headers (lower case) not sent on once a redirect leads to another origin."""
+
+
+def redirect_target(url: URL, location: bytes) -> URL:
+    """Where a redirect from ``url`` whose ``location`` header says ``location`` leads:
+    :class:`~greenroom.actors.providers.lean_http.RemoteProtocolError` when it is no URL,
+    :class:`~greenroom.actors.providers.lean_http.UnsupportedProtocol` when it is not an
+    http or https one."""
+    try:
+        joined = urllib.parse.urljoin(url.text, location.decode("latin-1"))
+    except ValueError as exc:
+        # The server's own words are not a URL ("http://[::1"): bad HTTP, as httpx
+        # reports it, never an exception out of the request.
+        raise RemoteProtocolError(f"Invalid URL in location header: {exc}") from None
+    return parse_url(joined)
+
+
+def same_origin(one: URL, other: URL) -> bool:
+    """Whether ``one`` and ``other`` have the same scheme, host and port (an upgrade from
+    http to https is another origin: the credentials do not follow it either)."""
+    return (one.scheme, one.host, one.port) == (other.scheme, other.host, other.port)
 
 
 def lean_by_default() -> bool:
@@ -187,24 +213,16 @@ class LeanEndpoint:
         hops = 0
         while True:
             response = await self._pool.request(b"POST", target, headers, content, self._timeouts)
-            if response.status not in (307, 308) or hops == MAX_REDIRECTS:
+            if response.status not in REDIRECTS or hops == MAX_REDIRECTS:
                 return response
             location = response.header(b"location")
             if not location:
                 return response
             hops += 1
             await response.aclose()
-            try:
-                joined = urllib.parse.urljoin(target.text, location.decode("latin-1"))
-            except ValueError as exc:
-                # The server's own words are not a URL ("http://[::1"): bad HTTP, as the
-                # library paths report it, never an exception out of the request.
-                raise RemoteProtocolError(f"Invalid URL in location header: {exc}") from None
-            following = parse_url(joined)
-            if (following.scheme, following.host, following.port) != (
-                target.scheme, target.host, target.port
-            ):  # fmt: skip
-                headers = [h for h in headers if h[0].lower() not in _CREDENTIALS]
+            following = redirect_target(target, location)
+            if not same_origin(following, target):
+                headers = [h for h in headers if h[0].lower() not in CREDENTIALS]
             target = following
 
     async def aclose(self) -> None:
@@ -278,10 +296,15 @@ def _failed(message: str) -> StreamFailed:
 
 
 __all__ = [
+    "CREDENTIALS",
+    "MAX_REDIRECTS",
+    "REDIRECTS",
     "ErrorClassifier",
     "LeanEndpoint",
     "RequestBuilder",
     "StreamDecoder",
     "Wording",
     "lean_by_default",
+    "redirect_target",
+    "same_origin",
 ]

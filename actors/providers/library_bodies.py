@@ -30,11 +30,13 @@ from typing import Any, Protocol
 
 import trio
 
-from greenroom.actors.providers.lean_http import DEADLINE_SLACK, inflated
+from greenroom.actors.providers.lean_http import (
+    DEADLINE_SLACK,
+    READABLE_ENCODINGS,
+    inflated,
+    unreadable_encoding,
+)
 from greenroom.actors.providers.lean_wire import MAX_ERROR_BODY
-
-READABLE_ENCODINGS = ("gzip", "deflate")
-"""The content codings read here (zlib's); the libraries ask for these and no others."""
 
 
 class _Headers(Protocol):
@@ -76,10 +78,7 @@ async def bounded_body(
     given, and ``within`` seconds after its first read when given. An encoding that is not
     one of :data:`READABLE_ENCODINGS` raises ``error(message)`` before anything is read."""
     if encoding and encoding not in READABLE_ENCODINGS:
-        raise error(
-            f"the server sent a body with content-encoding {encoding!r}, "
-            "which greenroom does not read (it asks for gzip, deflate or none)"
-        )
+        raise error(unreadable_encoding(encoding))
     reads = aiter(raw)
     inflating = inflated(reads, encoding, error) if encoding else reads
     pieces = inflating if within is None else _ended_after(inflating, within)

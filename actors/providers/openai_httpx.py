@@ -5,13 +5,15 @@ Used when the lean path is turned off (``lean_http=False``, ``GREENROOM_LEAN_HTT
 ``--no-lean-http``) and when a proxy from the environment applies to the base URL (httpx
 honours ``HTTPS_PROXY`` and its kin; greenroom's own client does not). Library errors are
 translated to ``StreamFailed`` in one place, :meth:`HTTPStreamTask.stream`, in the words
-the lean path uses for the same failure.
+the lean path uses for the same failure. Redirects are followed as the lean path follows
+them (307 and 308 only, a bounded number, the credentials kept from another origin).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any
 
 import httpx
 
@@ -20,8 +22,22 @@ from greenroom.actors.providers.base import (
     connect_failure,
     transport_failure,
 )
-from greenroom.actors.providers.lean_http import TimeoutSettings
-from greenroom.actors.providers.lean_wire import ErrorClassifier, RequestBuilder, StreamDecoder
+from greenroom.actors.providers.lean_http import (
+    RemoteProtocolError,
+    TimeoutSettings,
+    TransportError,
+    parse_url,
+)
+from greenroom.actors.providers.lean_wire import (
+    CREDENTIALS,
+    MAX_REDIRECTS,
+    REDIRECTS,
+    ErrorClassifier,
+    RequestBuilder,
+    StreamDecoder,
+    redirect_target,
+    same_origin,
+)
 from greenroom.actors.providers.library_bodies import BodyBounds
 from greenroom.actors.providers.media import TaskImages
 from greenroom.actors.providers.stalls import (
@@ -113,7 +129,8 @@ class HTTPStreamTask:
         timeout = self._read_timeout
         try:
             with HeadDeadline(timeout, httpx.ReadTimeout):
-                async with self._client.stream("POST", self._url, json=body) as response:
+                response = await _post(self._client, self._url, body)
+                try:
                     if response.status_code >= 400:
                         content = await response.aread()
                         error = self._classify(
@@ -127,6 +144,8 @@ class HTTPStreamTask:
                         transport_error=httpx.TransportError,
                     ):
                         return
+                finally:
+                    await response.aclose()
             await deliver(decoder.end_of_stream())
         except httpx.ConnectTimeout:
             await deliver([_failed(f"timed out connecting to the server ({self._url})")])
@@ -136,8 +155,46 @@ class HTTPStreamTask:
             await deliver([_failed(transport_failure(exc))])
         except httpx.ConnectError as exc:
             await deliver([_failed(connect_failure(self._url, exc))])
-        except httpx.TransportError as exc:
+        except (httpx.TransportError, TransportError) as exc:
+            # TransportError: a redirect's location that is no http(s) URL (_post).
             await deliver([_failed(transport_failure(exc))])
+
+
+async def _post(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> httpx.Response:
+    """POST ``body`` as JSON to ``url`` and return the response once its head is read
+    (its body streamed; the caller closes it), following a 307 or 308 as the lean path
+    does (:meth:`~greenroom.actors.providers.lean_wire.LeanEndpoint.stream`): at most
+    :data:`~greenroom.actors.providers.lean_wire.MAX_REDIRECTS` of them, the credentials
+    not sent to another origin, a location that is not an http(s) URL a failure in the
+    lean path's words. httpx follows no redirect by default, and following every kind
+    would turn a 301-303 into a GET the lean path does not send."""
+    request = client.build_request("POST", url, json=body)
+    target = parse_url(url)
+    hops = 0
+    foreign = False  # once another origin was reached, the credentials stay behind
+    while True:
+        response = await client.send(request, stream=True)
+        if response.status_code not in REDIRECTS or hops == MAX_REDIRECTS:
+            return response
+        location = next((v for k, v in response.headers.raw if k.lower() == b"location"), b"")
+        if not location:
+            return response
+        hops += 1
+        await response.aclose()
+        following = redirect_target(target, location)
+        foreign = foreign or not same_origin(following, target)
+        try:
+            # Built by the client, for its timeouts (its default headers come with it).
+            moved = client.build_request("POST", following.text, content=request.content)
+        except httpx.InvalidURL as exc:
+            raise RemoteProtocolError(f"Invalid URL in location header: {exc}") from None
+        for key, value in request.headers.multi_items():
+            if key.lower() not in ("host", "content-length"):
+                moved.headers[key] = value
+        if foreign:
+            for credential in CREDENTIALS:
+                moved.headers.pop(credential.decode(), None)
+        request, target = moved, following
 
 
 def _failed(message: str) -> StreamFailed:
