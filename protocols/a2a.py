@@ -19,6 +19,8 @@ The mapping, in one place:
   text and choices (:func:`approval_prompt`) and answered by the message's text, which
   the history shows as the user's turn once the call has it as its result (a running
   call's answer is not traced: the history says only that it was answered or declined).
+  A running call's question is declined by a ``{"decision": "deny"}`` data part
+  (:func:`declines`), never by its text: ``deny`` may be the answer itself.
   Each request and each answer is a message of its own id, also when one call is asked
   twice (its approval, then its question).
 * The runtime's own input to a task (the "host lost" note a task resumed after its host
@@ -267,6 +269,12 @@ def parse_decision(text: str, data: Iterable[Mapping[str, Any]]) -> Verdict | No
     if words in SESSION_WORDS:
         return "allow_session"
     return None
+
+
+def declines(data: Iterable[Mapping[str, Any]]) -> bool:
+    """Whether a message answering a question declines it: a data part's ``decision`` is
+    ``deny``. Its text is the answer whatever it says (``deny`` may be one)."""
+    return any(item.get("decision") == "deny" for item in data)
 
 
 HOST_LOST_NOTE = (

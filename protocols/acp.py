@@ -6,7 +6,8 @@ JSON-RPC 2.0 on its stdin and stdout. This module holds what does not wait for a
 * :class:`LineSplitter` cuts the byte stream into frames (one JSON value per line), and
   :func:`parse_message` reads one frame as a call, a response to one of our own requests,
   or a :class:`~greenroom.protocols.jsonrpc.FrameError` that already holds its answer.
-  Neither ever raises: every malformed frame gets an error answer and the connection stays.
+  Neither ever raises: every malformed frame gets an error answer and the connection stays
+  — but a malformed notification (:class:`BadNotification`), which JSON-RPC answers never.
 * The ``params`` readers (:func:`parse_new_session`, :func:`parse_prompt`, …) raise
   :class:`~greenroom.protocols.jsonrpc.RpcError` (``-32602``) naming the bad value as a
   ``$.path``.
@@ -146,7 +147,18 @@ class Response:
     error: dict[str, Any] | None = None
 
 
-Message = Call | Response | FrameError
+@attrs.frozen(kw_only=True, slots=True)
+class BadNotification:
+    """A notification (a ``method`` name and no ``id``) that is not a valid call: never
+    answered — JSON-RPC 2.0 answers no notification, not even on error, and an error with
+    a null id would answer none of the client's requests — only logged. ``method`` is cut
+    to be echoed."""
+
+    method: str
+    error: RpcError
+
+
+Message = Call | Response | FrameError | BadNotification
 
 
 TOO_LONG_HEAD_BYTES = 4096
@@ -283,8 +295,9 @@ def _skip_space(text: str, at: int) -> int:
 
 def parse_message(line: bytes) -> Message:
     """One frame: a request or notification from the client, a response to one of our
-    requests, or a :class:`FrameError` holding the answer (-32700 for text that is not
-    UTF-8 JSON, -32600 for JSON that is not a message; batches are not part of ACP)."""
+    requests, a :class:`BadNotification` (answered by nothing), or a :class:`FrameError`
+    holding the answer (-32700 for text that is not UTF-8 JSON, -32600 for JSON that is
+    not a message; batches are not part of ACP)."""
     try:
         text = line.decode("utf-8")
         # NaN, 1e999 (read as infinity) and 5,000-digit integers could not be written
@@ -308,7 +321,15 @@ def parse_message(line: bytes) -> Message:
         and ("result" in value or "error" in value)
     ):
         return _response(value)
-    return parse_call(value)
+    call = parse_call(value)
+    if (
+        isinstance(call, FrameError)
+        and isinstance(value, dict)
+        and "id" not in value
+        and isinstance(value.get("method"), str)
+    ):
+        return BadNotification(method=_clip(value["method"], 80), error=call.error)
+    return call
 
 
 def _response(value: dict[str, Any]) -> Message:

@@ -13,7 +13,9 @@ wire's camelCase keys):
 * A call that waits for a person (R-HITL) is an interrupt: once the outputs at hand are
   mapped, :meth:`RunMapper.interrupted` ends the run with ``RUN_FINISHED`` whose outcome
   lists the interrupts (``id`` = the call id). The task waits on; the front end answers
-  with a new run whose ``resume`` entries carry the answers (:func:`parse_resume`).
+  with a new run whose ``resume`` entries carry the answers (:func:`parse_resume`). A
+  question's choices are its ``responseSchema``'s ``answer`` enum
+  (:func:`question_schema`), its ``metadata.choices`` and a line of its ``message``.
 * ``task_end``: ``completed`` gives ``RUN_FINISHED`` (with the run's token usage),
   ``aborted`` ``RUN_FINISHED`` with the ``cancelled`` outcome, any other ``RUN_ERROR``.
 * Front-end tools (the run's ``tools``, :func:`client_tools`) are the session's client
@@ -48,6 +50,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any, assert_never
 
+from greenroom.protocols.a2a import question_choices
 from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.mcp_config import schema_problem
 from greenroom.protocols.outputs import (
@@ -103,18 +106,34 @@ Event = dict[str, Any]
 """One AG-UI event, as its JSON object."""
 
 
+def question_schema(choices: list[str]) -> dict[str, Any]:
+    """The ``responseSchema`` of a question interrupt: :data:`QUESTION_SCHEMA`, its
+    ``answer`` one of ``choices`` (a JSON Schema ``enum``, which a front end builds its
+    form from) when the question offers some."""
+    if not choices:
+        return QUESTION_SCHEMA
+    answer = {"type": "string", "enum": list(choices)}
+    return {**QUESTION_SCHEMA, "properties": {"answer": answer}}
+
+
 class ResumeError(ValueError):
     """A ``resume`` entry that answers nothing greenroom can take (its message says why)."""
 
 
-def parse_resume(entry: Mapping[str, Any], kind: str) -> tuple[Verdict, None] | tuple[None, str]:
+def parse_resume(
+    entry: Mapping[str, Any], kind: str, *, declinable: bool = False
+) -> tuple[Verdict, None] | tuple[None, str]:
     """The answer a ``resume`` entry gives an interrupt of ``kind``: a verdict for an
     approval (``payload.decision``, or ``payload`` ``true``/``false``/a decision word; a
     ``cancelled`` entry denies), the text for a question (``payload.answer`` or a string).
-    Raises :class:`ResumeError` for a payload that gives neither."""
+    A ``cancelled`` entry declines a ``declinable`` question (one a running call asks, an
+    MCP elicitation: ``deny``); the model's own question has no decline, and is told the
+    person declined. Raises :class:`ResumeError` for a payload that gives neither."""
     status = entry.get("status")
     payload = entry.get("payload")
     if kind == "question":
+        if status == "cancelled" and declinable:
+            return "deny", None
         if status == "cancelled":
             return None, "(the person declined to answer)"
         answer = payload.get("answer") if isinstance(payload, Mapping) else payload
@@ -495,13 +514,19 @@ class RunMapper:
         if request.kind == "question" and request.tool in self.client_tools:
             self.client_calls.add(request.call_id)
             return
+        choices = question_choices(request.arguments) if request.kind == "question" else []
+        metadata: dict[str, Any] = {"tool": request.tool, "arguments": request.arguments}
+        if choices:
+            metadata["choices"] = choices
         interrupt: Event = {
             "id": request.call_id,
             "reason": INTERRUPT_REASONS[request.kind],
             "toolCallId": request.call_id,
-            "message": _prompt(request),
-            "responseSchema": QUESTION_SCHEMA if request.kind == "question" else APPROVAL_SCHEMA,
-            "metadata": {"tool": request.tool, "arguments": request.arguments},
+            "message": _prompt(request, choices),
+            "responseSchema": (
+                question_schema(choices) if request.kind == "question" else APPROVAL_SCHEMA
+            ),
+            "metadata": metadata,
         }
         self.interrupts[request.call_id] = interrupt
 
@@ -666,12 +691,14 @@ class RunMapper:
         return events
 
 
-def _prompt(request: ApprovalRequest | PendingApproval) -> str:
+def _prompt(request: ApprovalRequest | PendingApproval, choices: list[str]) -> str:
     arguments = json.dumps(request.arguments, ensure_ascii=False)[:2000]
     if request.kind == "question":
         question = request.arguments.get("question")
         if isinstance(question, str):
-            return question
+            # Said in the words too: a front end that shows only the message still
+            # shows what may be answered.
+            return question + ("\nChoose one of: " + ", ".join(choices) if choices else "")
     if request.kind == "in_doubt":
         return f"Did the call {request.tool}({arguments}) take effect before its host stopped?"
     return f"Allow the call {request.tool}({arguments})?"

@@ -146,10 +146,10 @@ async def test_a_connection_that_never_authenticates_is_closed_after_the_deadlin
     authenticate is closed; one whose request carried the token keeps going. The
     authenticated one connects first, so once the other is closed its deadline is over."""
     limits = GatewayLimits(handshake_timeout_s=3.0)  # room for a busy machine
-    untokened = b"GET /a2a HTTP/1.1\r\nHost: gw\r\n\r\n"
+    untokened = b"GET /a2a HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
     body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tasks/get", "params": {"id": "x"}})
     tokened = (
-        f"POST /a2a HTTP/1.1\r\nHost: gw\r\n{BEARER}\r\n"
+        f"POST /a2a HTTP/1.1\r\nHost: 127.0.0.1\r\n{BEARER}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}"
     ).encode()
     with trio.fail_after(BOUND_S):
@@ -181,7 +181,7 @@ async def test_idle_kept_alive_connections_count_against_their_principal(
 
     def tasks_get(token: str) -> bytes:
         return (
-            f"POST /a2a HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer {token}\r\n"
+            f"POST /a2a HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {token}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}"
         ).encode()
 
@@ -221,7 +221,7 @@ async def test_malformed_http_never_ends_the_server(tmp_path: Path) -> None:
             auth = f"Authorization: Bearer {TOKEN}\r\n".encode()
             bad_length = b"POST /ag-ui HTTP/1.1\r\nHost: x\r\nContent-Length: nope\r\n" + auth
             assert (await raw(bad_length + b"\r\n")).startswith(b"HTTP/1.1 400")
-            big = b"POST /a2a HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n" + auth
+            big = b"POST /a2a HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 5000\r\n" + auth
             assert (await raw(big + b"\r\n" + b"x" * 5000)).startswith(b"HTTP/1.1 413")
             long_head = b"GET /a2a HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 70000 + b"\r\n\r\n"
             assert (await raw(long_head)).startswith(b"HTTP/1.1 4")
@@ -387,7 +387,7 @@ async def test_a_client_too_slow_to_take_its_answers_is_logged_in_one_line(
         stream = await trio.open_tcp_stream("127.0.0.1", port)
         # With the token: a connection that never authenticates is closed at the
         # handshake deadline, before the write timeout.
-        card = f"GET /.well-known/agent-card.json HTTP/1.1\r\nHost: x\r\n{BEARER}\r\n\r\n"
+        card = f"GET /.well-known/agent-card.json HTTP/1.1\r\nHost: 127.0.0.1\r\n{BEARER}\r\n\r\n"
         requests = card.encode() * 20_000
 
         async def send_all() -> None:
@@ -472,13 +472,13 @@ async def test_a_body_not_complete_by_either_deadline_is_answered_before_the_clo
     cap = GatewayLimits().max_frame_bytes
     tasks_get = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tasks/get", "params": {}})
     tokened = (
-        f"POST /a2a HTTP/1.1\r\nHost: gw\r\n{BEARER}\r\n"
+        f"POST /a2a HTTP/1.1\r\nHost: 127.0.0.1\r\n{BEARER}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(tasks_get)}\r\n\r\n{tasks_get}"
     ).encode()
 
     def cut_short(length: int) -> bytes:
         return (
-            f"POST /a2a HTTP/1.1\r\nHost: gw\r\n{BEARER}\r\n"
+            f"POST /a2a HTTP/1.1\r\nHost: 127.0.0.1\r\n{BEARER}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
             '{"jsonrpc": "2.0", '
         ).encode()
@@ -505,7 +505,7 @@ async def test_a_body_not_complete_by_either_deadline_is_answered_before_the_clo
         # Half the timeout into a connection whose first request had no token, the
         # connection's deadline comes before the body's.
         async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
-            untokened = b"GET /a2a HTTP/1.1\r\nHost: gw\r\n\r\n"
+            untokened = b"GET /a2a HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
             assert await keep_alive_request(stream, untokened) == 405
             mock_clock.jump(timeout / 2)
             assert_refused(await answer_after(stream, cut_short(1000), timeout / 2))

@@ -662,6 +662,8 @@ class AcpAgent:
         message = acp.parse_message(piece)
         if isinstance(message, FrameError):
             await self._wire.send(message.response())
+        elif isinstance(message, acp.BadNotification):
+            _log(f"dropped a notification {message.method!r}: {message.error.message}")
         elif isinstance(message, acp.Response):
             self._wire.resolve(message)
         elif isinstance(message, Notification):

@@ -18,7 +18,12 @@ own ``tool_call``, in the order the session published them.
 
 Every request waits at most :data:`EDITOR_TIMEOUT_S` for the editor's answer (a terminal's
 ``wait_for_exit`` the command's own timeout): an editor that does not answer fails the
-call, it never holds it. A terminal is always released, even when the call is
+call, it never holds it — but for a write. ``fs/write_text_file`` has no way to be taken
+back once sent, and an editor that answers late has written the file all the same: given
+up on, the model would be told the write failed when it took effect. So a write that was
+sent waits for the editor's answer as long as its call runs; an interrupt
+(``session/cancel``) ends the wait, and the call is then interrupted, never failed: the
+model is not told the file was not written. A terminal is always released, even when the call is
 cancelled (releasing kills a command still running) — also one whose ``terminal/create``
 is answered after its call stopped waiting (cancelled, or out of time): the command it
 started is not left running in the editor, unseen.
@@ -40,8 +45,8 @@ from greenroom.protocols.tools import EditorError, TerminalRun
 __all__ = ["EDITOR_TIMEOUT_S", "RELEASE_GRACE_S", "EditorSession"]
 
 EDITOR_TIMEOUT_S = 60.0
-"""How long a request of a tool to the editor (a read, a write, starting a terminal)
-waits for its answer before the call fails."""
+"""How long a request of a tool to the editor (a read, starting a terminal) waits for its
+answer before the call fails; a write waits for its answer as long as its call runs."""
 
 RELEASE_GRACE_S = 5.0
 """How long releasing a terminal after its call ended (or was cancelled) may take."""
@@ -98,9 +103,11 @@ class EditorSession:
         return _checked(acp.text_of, await self._call("fs/read_text_file", params))
 
     async def write_text(self, path: str, content: str) -> None:
-        """``fs/write_text_file``: the editor writes ``content`` to ``path``."""
+        """``fs/write_text_file``: the editor writes ``content`` to ``path``. Waits for the
+        editor's answer with no time limit (see the module docstring): only its answer
+        says what became of the file; cancelling the call ends the wait."""
         params = {"sessionId": self._session_id, "path": path, "content": content}
-        await self._call("fs/write_text_file", params)
+        await self._call("fs/write_text_file", params, timeout_s=None)
 
     def show_diff(self, call_id: str, path: str, old_text: str | None, new_text: str) -> None:
         """The call ``call_id`` shows the edit as ``diff`` content from now on."""

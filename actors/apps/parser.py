@@ -99,6 +99,19 @@ def _origin(text: str) -> str:
     return text
 
 
+_HOST_NAME = re.compile(r"\[[0-9a-f:.]{2,45}\]|[a-z0-9][a-z0-9.-]{0,252}", re.IGNORECASE)
+
+
+def _host_name(text: str) -> str:
+    """``--allow-host``: a name as a ``Host`` header gives it, without a port (the gateway
+    compares it as ``access.normal_host_name`` does)."""
+    if not _HOST_NAME.fullmatch(text.strip()):
+        raise argparse.ArgumentTypeError(
+            f"expected a host name without a port or scheme (myhost.lan), got {text!r}"
+        )
+    return text
+
+
 def _usd(text: str) -> float:
     try:
         value = float(text)
@@ -521,6 +534,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="a browser origin (http://host:port) allowed to connect besides the console's, "
         "and to call the --a2a and --ag-ui endpoints (CORS); repeatable; other browser origins "
         "are refused with HTTP 403 (default: the console's only)",
+    )
+    serve.add_argument(
+        "--allow-host",
+        metavar="NAME",
+        type=_host_name,
+        action="append",
+        default=[],
+        help="a host name the gateway and the console answer to besides localhost, the "
+        "--host and IP addresses (a request whose Host header names another is refused with "
+        "HTTP 421: DNS rebinding); repeatable (default: none)",
     )
     serve.add_argument(
         "--max-connections",

@@ -71,6 +71,7 @@ def serve_command(args: argparse.Namespace) -> int:
         "drain_grace_s": args.drain_grace,
         "tokens_file": args.tokens_file,
         "allowed_origins": args.allow_origin,
+        "allowed_hosts": args.allow_host,
         "max_connections": args.max_connections,
         "limits": GatewayLimits(
             max_connections_per_principal=args.max_connections_per_principal,

@@ -83,6 +83,7 @@ from greenroom.actors.cluster.routing import (
     unreachable,
 )
 from greenroom.actors.cluster.traces import TraceStream
+from greenroom.actors.gateway.access import NotYours
 from greenroom.actors.gateway.connection import AnswerLater, Handler
 from greenroom.actors.gateway.connection import Connection as GatewayConnection
 from greenroom.actors.gateway.hubs import Subscription, output_frame
@@ -680,7 +681,7 @@ class ClusterRouter:
         if entry is None and not granted_here:
             return await local(connection, params)
         if not granted_here and not await self._may_use(principal, session_id, entry or {}):
-            raise RpcError(jsonrpc.FORBIDDEN, f"session {session_id!r} belongs to another client")
+            raise NotYours(session_id)  # as for a session nobody has (R-SEC-4)
         if (
             method in FORWARDED
             and (entry or {}).get("closed")

@@ -78,7 +78,11 @@ another principal's session answers 403, an unknown one 404. A principal holds a
 answers 429. Every connection of one
 principal sees the same sessions (a reconnecting client keeps its sessions).
 
-Admission, before any of that: a browser handshake (one with an ``Origin`` header) whose
+Admission, before any of that: a request whose ``Host`` header names neither
+``localhost``, the listen host, an IP address nor a name given with ``allowed_hosts`` /
+:meth:`Gateway.allow_host` (``serve --allow-host``) is refused with HTTP 421 first (DNS
+rebinding), on the websocket, the HTTP endpoints and the console alike; a browser
+handshake (one with an ``Origin`` header) whose
 origin is not allowed (the console's, or one given with ``allowed_origins`` /
 :meth:`Gateway.allow_origin`) is refused with HTTP 403; beyond ``max_connections`` open
 connections the handshake is refused with HTTP 503, and beyond its principal's

@@ -492,7 +492,8 @@ class A2aEndpoint:
         principal: str,
     ) -> list[ApprovalRequest]:
         """Answer the task's pending requests with the message (a data part's
-        ``call_id`` picks one); the requests answered."""
+        ``call_id`` picks one): a decision for an approval, the text for a question, or
+        its decline (a ``{"decision": "deny"}`` data part); the requests answered."""
         named = {item.get("call_id") for item in data if isinstance(item.get("call_id"), str)}
         requests = [r for r in fold.pending.values() if not named or r.call_id in named]
         if not requests:
@@ -504,11 +505,16 @@ class A2aEndpoint:
             # would be loaded by the host, not through the gateway.
             if not _open_here(session):
                 raise _ClosedBeforeTheAnswer
-            if request.kind == "question":
+            # A data part naming another call says nothing of this one.
+            mine = [d for d in data if d.get("call_id") in (None, request.call_id)]
+            if request.kind == "question" and a2a.declines(mine):
+                # Declined by a data part only: a text "deny" may be the answer itself.
+                # The host takes it for a running call's question (an MCP elicitation);
+                # the model's own (ask_user) wants text, and says so.
+                await host.answer_approval(session.id, request.call_id, "deny", by=principal)
+            elif request.kind == "question":
                 await host.answer_question(session.id, request.call_id, text, by=principal)
             else:
-                # A data part naming another call says nothing of this one.
-                mine = [d for d in data if d.get("call_id") in (None, request.call_id)]
                 verdict = a2a.parse_decision(text, mine)
                 if verdict is None:
                     raise RpcError(

@@ -11,15 +11,19 @@ for a person, whatever happened to the process (R-SEC-4, R-HITL-2).
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import ipaddress
 import os
+import re
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from greenroom.actors.gateway.config import CLIENT_ID, DEFAULT_CLIENT, GatewayLimits
 from greenroom.actors.runtime.errors import ConfigurationError
+from greenroom.protocols import jsonrpc
+from greenroom.protocols.jsonrpc import RpcError
 
 OWNER_FILE = "owner.txt"
 """The principal that created a session through the gateway, next to its ``session.json``."""
@@ -110,6 +114,22 @@ class Grants:
         return any(session_id in owned for owned in self._grants.values())
 
 
+def no_such_session(session_id: str) -> RpcError:
+    """404 for ``session_id``, a session nobody has."""
+    return RpcError(jsonrpc.NOT_FOUND, f"no session {jsonrpc.echo(session_id)}")
+
+
+class NotYours(RpcError):
+    """403 for a session that exists but is another principal's (CONTRACT's "403
+    forbidden"): the AG-UI endpoint creates a thread for an unknown id, never for this
+    one."""
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(
+            jsonrpc.FORBIDDEN, f"session {jsonrpc.echo(session_id)} belongs to another client"
+        )
+
+
 def store_owner(session_dir: Path, principal: str) -> None:
     """Keep ``principal`` as the owner of the session stored in ``session_dir`` (mode
     0600, replaced at once: a reader sees the old file or the new one). Blocking; raises
@@ -142,6 +162,97 @@ def stored_owners(sessions_dir: Path) -> dict[str, str]:
         if CLIENT_ID.fullmatch(principal):
             owners[entry.name] = principal
     return owners
+
+
+WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+"""Listen hosts that bind every address (no name of their own to answer to)."""
+
+_HOST = re.compile(r"(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252}))(?::(\d{1,5}))?")
+_MAX_ECHOED_HOST = 100
+
+
+def host_header_name(value: str | bytes) -> str | None:
+    """The host name a ``Host`` header (``host[:port]``) names: lower case, without its
+    port, an IPv6 address without its brackets, without a final dot; None when the value
+    is no ``host[:port]``."""
+    text = value.decode("latin-1") if isinstance(value, bytes) else value
+    match = _HOST.fullmatch(text.strip())
+    if match is None:
+        return None
+    return match.group(1).strip("[]").rstrip(".").lower()
+
+
+def normal_host_name(text: str) -> str:
+    """A host name an owner allows (``serve --allow-host NAME``), as it is compared: lower
+    case, no final dot, an IPv6 address without brackets. Raises
+    :class:`ConfigurationError` for anything else (a port, a scheme, a path, ``*``), which
+    would match no ``Host`` header and allow nothing."""
+    with contextlib.suppress(ValueError):
+        return str(ipaddress.ip_address(text.strip().strip("[]")))
+    match = _HOST.fullmatch(text.strip())
+    if match is None or match.group(2) is not None:
+        raise ConfigurationError(
+            f"expected a host name without a port or scheme (myhost.lan), got {text!r}"
+        )
+    return match.group(1).strip("[]").rstrip(".").lower()
+
+
+class HostNames:
+    """The names the gateway and its console answer to, checked against each request's
+    ``Host`` header before anything else (R-SEC-4: DNS rebinding). A page of
+    ``evil.example`` whose name the attacker then points at 127.0.0.1 is, for the
+    browser, of the same origin as ``http://evil.example:PORT``, which is this server:
+    the browser sends it no foreign ``Origin`` on a plain GET, but its ``Host`` header
+    names ``evil.example``. Allowed: ``localhost``, the listen host (unless it binds
+    every address), the names given (:meth:`add`; ``serve --allow-host``), and any IP
+    address — a page reached by an address is that address's own, never a rebinding.
+    A request without a ``Host`` header (HTTP/1.0, not a browser) is let through. No
+    I/O."""
+
+    def __init__(self, listen_host: str, names: Iterable[str] = ()) -> None:
+        self._names = {"localhost"}
+        if listen_host not in WILDCARD_HOSTS and not _is_address(listen_host):
+            self.add(listen_host)
+        for name in names:
+            self.add(name)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The names allowed besides IP addresses, sorted."""
+        return tuple(sorted(self._names))
+
+    def add(self, name: str) -> None:
+        """Allow ``name`` (:func:`normal_host_name`; raises ConfigurationError)."""
+        self._names.add(normal_host_name(name))
+
+    def allows(self, header: str | bytes | None) -> bool:
+        """Whether a request whose ``Host`` header is ``header`` (None: none) is for this
+        server."""
+        if header is None:
+            return True
+        name = host_header_name(header)
+        if name is None:
+            return False
+        return name in self._names or _is_address(name)
+
+    def refusal(self, header: str | bytes | None) -> str:
+        """Why a request with this ``Host`` header is refused (421), naming it (cut)."""
+        text = header.decode("latin-1") if isinstance(header, bytes) else str(header)
+        if len(text) > _MAX_ECHOED_HOST:
+            text = text[:_MAX_ECHOED_HOST] + "…"
+        return (
+            f"misdirected request: this server does not answer to the host {text!r} "
+            f"(it answers to {', '.join(self.names)} and IP addresses; a name of its "
+            "own is allowed with serve --allow-host NAME)"
+        )
+
+
+def _is_address(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name.strip("[]"))
+    except ValueError:
+        return False
+    return True
 
 
 class ClaimRefused(Exception):

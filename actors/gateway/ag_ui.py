@@ -15,7 +15,9 @@ One request does one of three things:
   as notes for the model; their image parts are attached as any inline image is
   (``Session.attach_image_data``: the session's ``max_image_bytes``, an ``image/`` type,
   R-SEC-8), and one that cannot be is 400 naming the part (a new thread's session is
-  then deleted again);
+  then deleted again) — the HTTP front reads a run's body up to the frame cap beside an
+  image of the server's ``max_image_bytes`` (:meth:`AgUiEndpoint.body_limit`), so such an
+  image meets that rule, not the frame cap;
 * **resume** (``resume`` entries, or ``tool`` messages with the results of front-end
   calls): answer what the last run ended on, as the caller's principal (R-HITL-2), and
   stream the task from where it waited — in the session loaded again, with the server's
@@ -49,9 +51,10 @@ from typing import Any
 import pydantic
 from ag_ui.core import RunAgentInput
 
+from greenroom.actors.gateway.access import NotYours
 from greenroom.actors.gateway.config import SESSION_ID
 from greenroom.actors.gateway.feeds import SessionFeed
-from greenroom.actors.gateway.http_front import EventSink, HttpRequest, Reply
+from greenroom.actors.gateway.http_front import BodyLimit, EventSink, HttpRequest, Reply
 from greenroom.actors.gateway.hubs import replay_records
 from greenroom.actors.gateway.methods import Methods, loading_unless_open
 from greenroom.actors.runtime.client_tools_file import (
@@ -69,8 +72,9 @@ from greenroom.actors.runtime.session import Session, client_tools_problem
 from greenroom.protocols import ag_ui, jsonrpc
 from greenroom.protocols.content import TextBlock, UserContent
 from greenroom.protocols.jsonrpc import RpcError
-from greenroom.protocols.outputs import ApprovalRequest, Output
+from greenroom.protocols.outputs import ApprovalDecision, ApprovalRequest, Output
 from greenroom.protocols.people import PendingApproval, Verdict
+from greenroom.protocols.settings import DEFAULT_MAX_IMAGE_BYTES
 from greenroom.protocols.tools import Tool, client_tool, value_too_deep
 
 __all__ = ["AG_UI_PATH", "FRONT_END_TOOLS_FILE", "AgUiEndpoint"]
@@ -106,6 +110,19 @@ class AgUiEndpoint:
         self._states: dict[str, str] = {}
         """The state each thread's front end sent last (JSON), to tell the model of a
         change only; forgotten with the process (the state is told again once)."""
+
+    def body_limit(self, frame_bytes: int) -> BodyLimit:
+        """The largest run body the HTTP front reads (R-SEC-1, R-SEC-9): ``frame_bytes``
+        (the gateway's frame cap) beside one image of the server's ``max_image_bytes`` as
+        base64, so an image the image rule admits meets that rule, and its clear answer,
+        rather than the frame cap."""
+        image = self._methods.defaults.settings.get("max_image_bytes", DEFAULT_MAX_IMAGE_BYTES)
+        if not isinstance(image, int) or isinstance(image, bool) or image < 0:
+            image = DEFAULT_MAX_IMAGE_BYTES  # refused where sessions are made, not here
+        room = f"an image of at most max_image_bytes ({image} bytes) as base64, and {frame_bytes}"
+        return BodyLimit(
+            max_bytes=frame_bytes + 4 * ((image + 2) // 3), room_for=room + " bytes of the rest"
+        )
 
     async def respond(self, request: HttpRequest, reply: Reply) -> None:
         """One run: its events, or an HTTP error when the input is refused."""
@@ -189,8 +206,8 @@ class AgUiEndpoint:
         try:
             return await self._methods.owned_session(principal, run.thread_id, node=False), False
         except RpcError as exc:
-            if exc.code != jsonrpc.NOT_FOUND:
-                raise
+            if exc.code != jsonrpc.NOT_FOUND or isinstance(exc, NotYours):
+                raise  # another principal's thread is never made anew
         if last_event is not None:
             if not LAST_EVENT_ID.fullmatch(last_event):
                 raise _Refused(400, BAD_LAST_EVENT_ID)
@@ -297,12 +314,15 @@ class AgUiEndpoint:
             (pending[call_id], (None, result))
             for call_id, result in (await self._tool_results(session, run)).items()
         ]
+        records = await replay_records(session, 0)
         for entry in entries:
             request = pending[entry.interrupt_id]
+            declinable = _asked_while_running(records, request.call_id)
             try:
-                answers.append((request, ag_ui.parse_resume(entry.model_dump(), request.kind)))
+                answer = ag_ui.parse_resume(entry.model_dump(), request.kind, declinable=declinable)
             except ag_ui.ResumeError as exc:
                 raise _Refused(400, f"$.resume[{entry.interrupt_id}]: {exc}") from None
+            answers.append((request, answer))
         # Checked before any answer is given: the second answer to one call would be
         # refused only once the first had been recorded, the run answered 409 yet decided.
         seen: set[str] = set()
@@ -313,7 +333,6 @@ class AgUiEndpoint:
                 )
             seen.add(request.call_id)
         # Where the task waited: the latest request answered.
-        records = await replay_records(session, 0)
         answered = {request.call_id for request, _ in answers}
         asked = [
             r.seq or 0
@@ -424,6 +443,21 @@ def _loaded_again(session: Session) -> Session | None:
     except SessionNotFound:
         return None
     return None if listed is session else listed
+
+
+def _asked_while_running(records: list[Any], call_id: str) -> bool:
+    """Whether the latest request of ``call_id`` is one the call asked while it ran (an
+    MCP elicitation, which may be declined): the call was decided before it was asked.
+    The model's own question (``ask_user``) is asked before its call is decided."""
+    decided = asked_running = False
+    for record in records:
+        if record.origin is not None or getattr(record, "call_id", None) != call_id:
+            continue
+        if isinstance(record, ApprovalDecision):
+            decided = True
+        elif isinstance(record, ApprovalRequest):
+            asked_running = decided
+    return asked_running
 
 
 def _asked_before(records: list[Any], request: PendingApproval, after: int) -> bool:

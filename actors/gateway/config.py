@@ -10,6 +10,7 @@ I/O.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import secrets
@@ -343,16 +344,35 @@ def resolved(value: str | Path) -> Path:
     return Path(value).expanduser().resolve()
 
 
+PRINCIPAL_DIR_HASH_CHARS = 16
+"""Hex digits of the hash of the exact client id in a principal directory's name."""
+
+
+def principal_directory_name(principal: str) -> str:
+    """The name of ``principal``'s own directory under the workspace root: the client id
+    itself when it has no capital letter (``alice``), else the id in lower case, ``+`` and
+    the first :data:`PRINCIPAL_DIR_HASH_CHARS` hex digits of the SHA-256 of the exact id
+    (``Alice`` → ``alice+3bc5…``). Names differ whatever the file system does with case
+    (R-SEC-5): on a case-insensitive one (macOS, Windows) ``Alice`` and ``alice`` were
+    one directory, shared by two principals. ``+`` is no character of a client id, so a
+    hashed name is never another id's plain one; client ids are ASCII, so lower case is
+    all a file system folds."""
+    if principal == principal.lower():
+        return principal
+    digest = hashlib.sha256(principal.encode("utf-8")).hexdigest()[:PRINCIPAL_DIR_HASH_CHARS]
+    return f"{principal.lower()}+{digest}"
+
+
 def principal_workspace_root(root: Path, principal: str) -> Path:
-    """``principal``'s own workspace root under ``root`` (resolved already), made 0700
-    when missing (blocking): under ``serve --workspace-per-principal`` its clients'
-    workspaces must resolve there. -32602 naming ``$.workspace`` when the principal id
-    could not name a directory of its own (:data:`CLIENT_ID` refuses those already) or
-    the directory cannot be used; a symlink in its place is refused, since it could lead
-    into another principal's directory."""
+    """``principal``'s own workspace root under ``root`` (resolved already), named by
+    :func:`principal_directory_name`, made 0700 when missing (blocking): under ``serve
+    --workspace-per-principal`` its clients' workspaces must resolve there. -32602 naming
+    ``$.workspace`` when the principal id could not name a directory of its own
+    (:data:`CLIENT_ID` refuses those already) or the directory cannot be used; a symlink
+    in its place is refused, since it could lead into another principal's directory."""
     if not CLIENT_ID.fullmatch(principal) or principal in (".", ".."):
         raise invalid("$.workspace", f"client id {principal!r} cannot name a directory")
-    path = root / principal
+    path = root / principal_directory_name(principal)
     try:
         path.mkdir(mode=0o700, exist_ok=True)
         real = path.resolve(strict=True)

@@ -16,7 +16,11 @@ Invariants:
   request bodies. ``GET`` and ``HEAD`` of ``/`` (or ``/index.html``) answer the page;
   another path answers 404, another method 405, a request that is not HTTP/1.x 400, a
   head larger than ``max_request_bytes`` 431, a head not complete within
-  ``read_timeout_s`` 408; beyond ``max_connections`` at once a connection gets 503.
+  ``read_timeout_s`` 408; beyond ``max_connections`` at once a connection gets 503. A
+  request whose ``Host`` header names no name of the server (``host_names``: ``localhost``,
+  the listen host, IP addresses and the names the owner allowed) is answered 421 (a DNS
+  rebinding page, R-SEC-4): the page is never served under an attacker's name, whose
+  policy would let it open websockets to that name.
 * At most ``max_connections + CONSOLE_SLACK`` sockets are open at once (the slack: room to
   answer 503): the listener accepts no more until one closes, so a flood of connections
   waits in the kernel's backlog instead of taking the process's file descriptors, as the
@@ -41,6 +45,7 @@ from pathlib import Path
 
 import trio
 
+from greenroom.actors.gateway.access import HostNames
 from greenroom.actors.gateway.listeners import open_listeners
 from greenroom.actors.gateway.sockets import CappedListener, CountedStream
 
@@ -77,6 +82,7 @@ _REASONS = {
     404: "Not Found",
     405: "Method Not Allowed",
     408: "Request Timeout",
+    421: "Misdirected Request",
     431: "Request Header Fields Too Large",
     500: "Internal Server Error",
     503: "Service Unavailable",
@@ -161,7 +167,11 @@ class ConsoleServer:
         max_connections: int = 64,
         reuse_port: bool = False,
         ws_port: int | None = None,
+        host_names: HostNames | None = None,
     ) -> None:
+        self.host_names = host_names or HostNames(listen_host)
+        """The names a request's ``Host`` header may give (default: ``localhost``, the
+        listen host and IP addresses); another is answered 421."""
         self.reuse_port = reuse_port
         """Share the port with other processes (``serve --workers``: ``SO_REUSEPORT``)."""
         self.ws_port = ws_port
@@ -255,6 +265,9 @@ class ConsoleServer:
         host_header = headers.get(b"host")
         if minor == b"1" and host_header is None:
             raise _BadRequest(400, "HTTP/1.1 request without a Host header")
+        if not self.host_names.allows(host_header):
+            refusal = self.host_names.refusal(host_header)
+            return self._error(421, refusal, head_only=method == b"HEAD")
         if method not in (b"GET", b"HEAD"):
             return self._error(405, "only GET and HEAD", extra=(("Allow", "GET, HEAD"),))
         path = target.split(b"?", 1)[0]

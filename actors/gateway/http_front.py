@@ -15,7 +15,8 @@ trio-websocket exactly as it arrived, so the websocket gateway answers it as it 
 did. The front is in place only when an endpoint is served; the websocket path then costs
 one read of the handshake's head and one task hop, nothing per frame.
 
-Admission per request, as for a websocket handshake (R-SEC-4, R-SEC-9): a foreign
+Admission per request, as for a websocket handshake (R-SEC-4, R-SEC-9): a ``Host`` header
+naming no name of the gateway is refused first (421, DNS rebinding: ``HostNames``); a foreign
 ``Origin`` is refused (403), and so is its CORS preflight; an address that sent too many
 wrong tokens waits (429 with ``Retry-After``) before its token is looked at; a missing or
 wrong ``Authorization: Bearer`` token is 401 (a wrong one counts against the address);
@@ -43,7 +44,8 @@ endpoints only with a token it was given.
 
 Bad input never ends more than its connection: a malformed request is 400, a head larger
 than :data:`MAX_HEAD_BYTES` 431, a body larger than the gateway's frame cap
-(``max_frame_bytes``) 413, an unknown method on a path 405; a head not complete within
+(``max_frame_bytes``) or its path's own :class:`BodyLimit` (an AG-UI run's makes room for
+an image) 413, an unknown method on a path 405; a head not complete within
 the handshake timeout closes the connection, and a body not complete within it (or by the
 unauthenticated connection's deadline above, when that comes first) is answered 400
 before the close. An endpoint that fails answers 500 and is logged. A client that takes
@@ -68,6 +70,7 @@ import trio
 from greenroom.actors.gateway.access import (
     Admission,
     ClaimRefused,
+    HostNames,
     Principals,
     Seats,
     address_key,
@@ -83,6 +86,7 @@ __all__ = [
     "CORS_EXPOSE_HEADERS",
     "CORS_MAX_AGE_S",
     "MAX_HEAD_BYTES",
+    "BodyLimit",
     "EventSink",
     "HttpFront",
     "HttpRequest",
@@ -120,6 +124,7 @@ _REASONS = {
     409: b"Conflict",
     413: b"Content Too Large",
     415: b"Unsupported Media Type",
+    421: b"Misdirected Request",
     429: b"Too Many Requests",
     431: b"Request Header Fields Too Large",
     500: b"Internal Server Error",
@@ -151,11 +156,22 @@ class Endpoint(Protocol):
 
 
 @attrs.frozen(kw_only=True)
+class BodyLimit:
+    """The largest body a path's requests may have (``max_bytes``), and what it makes room
+    for (``room_for``, said in the 413 that refuses a larger one)."""
+
+    max_bytes: int
+    room_for: str
+
+
+@attrs.frozen(kw_only=True)
 class Route:
-    """A path's endpoint and the methods it takes."""
+    """A path's endpoint, the methods it takes and the largest body its requests may have
+    (``body``; None: the gateway's frame cap, a request being one JSON-RPC frame)."""
 
     endpoint: Endpoint
     methods: frozenset[str]
+    body: BodyLimit | None = None
 
 
 class Gone(Exception):
@@ -424,6 +440,7 @@ class HttpFront:
         seats: Seats,
         origin_allowed: Callable[[bytes], bool],
         limits: GatewayLimits,
+        host_names: HostNames | None = None,
     ) -> None:
         self.routes = dict(routes)
         self._principals = principals
@@ -431,6 +448,7 @@ class HttpFront:
         self._seats = seats
         self._origin_allowed = origin_allowed
         self._limits = limits
+        self._host_names = host_names  # None: any Host header (the gateway gives its own)
         self._idle = IdlePlaces(admission)
         self._handoff: trio.MemorySendChannel[CountedStream] | None = None
 
@@ -552,7 +570,9 @@ class HttpFront:
         while request is not None:
             headers = _headers(request)
             reply = Reply(stream, conn, self._limits, self._cors(headers))
-            body = await self._body(stream, conn, reply, unauthenticated)
+            route = self.routes.get(request.target.split(b"?", 1)[0].decode("latin-1"))
+            limit = None if route is None else route.body
+            body = await self._body(stream, conn, reply, unauthenticated, limit)
             if body is None:
                 return
             answered = await self._answer(request, headers, body, reply, stream, unauthenticated)
@@ -600,10 +620,12 @@ class HttpFront:
         conn: h11.Connection,
         reply: Reply,
         unauthenticated: trio.CancelScope,
+        limit: BodyLimit | None,
     ) -> bytes | None:
         """The request's body, or None once an error was answered (or the connection
-        closed first). A body not complete within the handshake timeout, or by the
-        ``unauthenticated`` deadline when that comes first, is answered 400."""
+        closed first). A body larger than ``limit`` (None: the frame cap) is answered 413,
+        one not complete within the handshake timeout, or by the ``unauthenticated``
+        deadline when that comes first, 400."""
         closing = unauthenticated.deadline
         # The connection's deadline is held back while the body is read and taken as the
         # body's own when it is the earlier: the client whose body it cuts is answered
@@ -611,14 +633,23 @@ class HttpFront:
         unauthenticated.deadline = math.inf
         try:
             deadline = min(trio.current_time() + self._limits.handshake_timeout_s, closing)
-            return await self._body_until(stream, conn, reply, deadline)
+            return await self._body_until(stream, conn, reply, deadline, limit)
         finally:
             unauthenticated.deadline = closing
 
     async def _body_until(
-        self, stream: CountedStream, conn: h11.Connection, reply: Reply, deadline: float
+        self,
+        stream: CountedStream,
+        conn: h11.Connection,
+        reply: Reply,
+        deadline: float,
+        limit: BodyLimit | None,
     ) -> bytes | None:
-        cap = self._limits.max_frame_bytes  # a request is one JSON-RPC frame (R-SEC-9)
+        # A request is one JSON-RPC frame (R-SEC-9), unless its path makes room for more.
+        cap = self._limits.max_frame_bytes if limit is None else limit.max_bytes
+        too_large = f"request body larger than {cap} bytes"
+        if limit is not None:
+            too_large += f" ({limit.room_for})"
         body = bytearray()
         with trio.move_on_at(deadline) as timer:
             while True:
@@ -630,7 +661,7 @@ class HttpFront:
                 if isinstance(event, h11.Data):
                     body += event.data
                     if len(body) > cap:
-                        await reply.error(413, f"request body larger than {cap} bytes")
+                        await reply.error(413, too_large)
                         return None
                 elif isinstance(event, h11.EndOfMessage):
                     return bytes(body)
@@ -681,6 +712,11 @@ class HttpFront:
         unauthenticated: trio.CancelScope,
     ) -> str | None:
         """Answer one request; the principal it was admitted as (None: refused first)."""
+        host = headers.get("host")
+        if self._host_names is not None and not self._host_names.allows(host):
+            # First: a DNS rebinding page's wrong tokens would throttle loopback's clients.
+            await reply.error(421, self._host_names.refusal(host))
+            return None
         method = head.method.decode("latin-1")
         path = head.target.split(b"?", 1)[0].decode("latin-1")
         route = self.routes.get(path)

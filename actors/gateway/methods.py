@@ -35,7 +35,13 @@ from typing import Any, Protocol, cast
 import attrs
 import trio
 
-from greenroom.actors.gateway.access import Admission, Grants, Principals
+from greenroom.actors.gateway.access import (
+    Admission,
+    Grants,
+    NotYours,
+    Principals,
+    no_such_session,
+)
 from greenroom.actors.gateway.config import (
     CLIENT_ID,
     CLIENT_SETTABLE_FORBIDDEN,
@@ -232,9 +238,10 @@ class Methods:
         """The session ``session_id``, when ``principal`` may use it: one it created or was
         granted, or (``node``) a subagent at any depth of such a tree (R-TREE-1: the root
         authorizes its nodes). A session that is not open (a finished subagent, a root the
-        host closed) is loaded. 403 for another principal's, 404 for an unknown one;
-        -32602 for a subagent where ``node`` is false (the call starts work: it goes to
-        the root). Its hub is running when it returns."""
+        host closed) is loaded. 403 for another principal's (:class:`NotYours`), 404 for an
+        unknown one; -32602 for a subagent where ``node``
+        is false (the call starts work: it goes to the root). Its hub is running when it
+        returns."""
         if not self._grants.holds(principal, session_id):
             root_id = await self._nodes.root_of(session_id)
             if (
@@ -243,10 +250,8 @@ class Methods:
                 or not await self._holds(principal, root_id)
             ):
                 if root_id is not None or await self._nodes.exists(session_id):
-                    raise RpcError(
-                        jsonrpc.FORBIDDEN, f"session {session_id!r} belongs to another client"
-                    )
-                raise RpcError(jsonrpc.NOT_FOUND, f"no session {session_id!r}")
+                    raise NotYours(session_id)
+                raise no_such_session(session_id)
             if not node:
                 raise invalid(
                     "$.session_id",

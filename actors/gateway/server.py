@@ -8,7 +8,10 @@ a :class:`Connection` takes over; and ``greenroom serve`` (:func:`run_serve`).
     └── the listener (trio-websocket)
         └── one handler per connection: handshake, then :meth:`Connection.run`
 
-Admission (R-SEC-4): a browser handshake (one with an ``Origin`` header) whose origin is
+Admission (R-SEC-4): a handshake whose ``Host`` header names neither ``localhost``, the
+listen host, an IP address nor a name given with ``allowed_hosts`` is refused with HTTP 421
+before anything else (a DNS rebinding page: :class:`~greenroom.actors.gateway.access.HostNames`);
+a browser handshake (one with an ``Origin`` header) whose origin is
 not allowed (the console's, or one given with ``allowed_origins`` /
 :meth:`Gateway.allow_origin`) is refused with HTTP 403; beyond ``max_connections`` open
 connections the handshake is refused with HTTP 503, and beyond its principal's
@@ -53,6 +56,7 @@ from greenroom.actors.gateway.access import (
     Admission,
     ClaimRefused,
     Grants,
+    HostNames,
     Principals,
     Seats,
     address_key,
@@ -115,7 +119,10 @@ class Gateway:
     client ids to their tokens (give one or both). A session's creator is stored with it,
     and a gateway that starts grants every stored session to its creator again.
     ``allowed_origins``: browser origins (``http://host:port``) allowed besides the ones
-    added with :meth:`allow_origin`.
+    added with :meth:`allow_origin`. ``allowed_hosts``: host names the gateway answers to
+    besides ``localhost``, the listen host and IP addresses (:class:`HostNames`; also
+    :meth:`allow_host`): a request whose ``Host`` header names another is refused with
+    HTTP 421 before anything else (R-SEC-4, DNS rebinding).
     ``auth_timeout_s``: how long a connection may stay unauthenticated.
     ``a2a``, ``ag_ui``: serve the A2A endpoints (``/.well-known/agent-card.json``, ``/a2a``)
     and the AG-UI endpoint (``/ag-ui``) on the same port, with the same tokens and caps
@@ -144,6 +151,7 @@ class Gateway:
         titles: bool = False,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         allowed_origins: Iterable[str] = (),
+        allowed_hosts: Iterable[str] = (),
         auth_timeout_s: float = AUTH_TIMEOUT_S,
         reuse_port: bool = False,
         a2a: bool = False,
@@ -164,6 +172,8 @@ class Gateway:
         self.auth_timeout_s = auth_timeout_s
         self.titles = titles
         self._origins = {normal_origin(origin) for origin in allowed_origins}
+        self.host_names = HostNames(listen_host, allowed_hosts)
+        """The names requests may give in their ``Host`` header (the console's too)."""
         self._seats = Seats(max_connections)
         self._grants = Grants()
         self._admission = Admission(self.limits)
@@ -208,7 +218,8 @@ class Gateway:
                     f"--ag-ui needs the ag-ui extra: pip install 'greenroom[ag-ui]' ({exc})"
                 ) from None
             page = AgUiEndpoint(self._calls)
-            routes[AG_UI_PATH] = Route(endpoint=page, methods=frozenset({"POST"}))
+            body = page.body_limit(self.limits.max_frame_bytes)  # room for an image
+            routes[AG_UI_PATH] = Route(endpoint=page, methods=frozenset({"POST"}), body=body)
         if not routes:
             return None
         return HttpFront(
@@ -218,6 +229,7 @@ class Gateway:
             seats=self._seats,
             origin_allowed=self._origin_allowed,
             limits=self.limits,
+            host_names=self.host_names,
         )
 
     @property
@@ -332,6 +344,11 @@ class Gateway:
         """Admit browser handshakes from ``origin`` (``scheme://host[:port]``)."""
         self._origins.add(normal_origin(origin))
 
+    def allow_host(self, name: str) -> None:
+        """Answer requests whose ``Host`` header names ``name`` (a host name without a
+        port; raises ConfigurationError for anything else)."""
+        self.host_names.add(name)
+
     def grant(self, client_id: str, session_id: str) -> None:
         """Let ``client_id`` see and steer ``session_id`` (created elsewhere or by another
         client). Such a grant lives as long as the gateway (a session's creator is
@@ -393,6 +410,12 @@ class Gateway:
     async def _handshake_and_serve(
         self, connections: OpenConnections, request: WebSocketRequest
     ) -> None:
+        host = _host_header(request)
+        if not self.host_names.allows(host):
+            # Before anything else: a rebound page gets no answer of this server, not even
+            # a wrong token's, which would throttle the loopback address's own clients.
+            await request.reject(421, body=f"{self.host_names.refusal(host)}\n".encode())
+            return
         if request.path.split("?", 1)[0] != PATH:
             await request.reject(404, body=f"not found: the endpoint is {PATH}\n".encode())
             return
@@ -515,6 +538,15 @@ def _version() -> str:
         return "0.0.0"
 
 
+def _host_header(request: WebSocketRequest) -> str:
+    """The handshake's ``Host`` header. wsproto moves it out of the headers trio-websocket
+    shows (``request.headers`` never holds it) into its request event, which trio-websocket
+    keeps but does not expose; wsproto refuses a handshake without one. Should a version
+    keep it elsewhere, ``""`` is refused (421) rather than every name let through."""
+    host = getattr(getattr(request, "_event", None), "host", None)
+    return host if isinstance(host, str) else ""
+
+
 def _address(request: WebSocketRequest) -> str:
     """The key of the handshake's remote address (:func:`address_key`)."""
     remote = request.remote
@@ -581,6 +613,7 @@ async def run_serve(
     console_port: int | None = None,
     tokens_file: str | Path | None = None,
     allowed_origins: Iterable[str] = (),
+    allowed_hosts: Iterable[str] = (),
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     observers: Iterable[SessionObserver] = (),
     gc_tuning: bool | None = None,
@@ -616,7 +649,10 @@ async def run_serve(
 
     ``tokens_file`` (instead of ``token_file``) gives one principal per line
     (:func:`load_tokens_file`); the console URL then carries no token (the page asks for
-    one). ``allowed_origins``: more browser origins allowed to connect.
+    one). ``allowed_origins``: more browser origins allowed to connect. ``allowed_hosts``:
+    host names the gateway and the console answer to besides ``localhost``, the listen
+    host and IP addresses (``--allow-host``; other ``Host`` headers are refused, 421); the
+    console's origin under each is allowed to connect too.
     ``max_connections`` is lowered, with a notice, to what the file descriptor limit
     allows after the soft limit is raised to the hard one (:func:`connection_cap`).
     ``observers`` watch the host's sessions
@@ -679,6 +715,7 @@ async def run_serve(
             titles=True,
             max_connections=cap,
             allowed_origins=allowed_origins,
+            allowed_hosts=allowed_hosts,
             reuse_port=reuse_port,
             a2a=a2a,
             ag_ui=ag_ui,
@@ -738,11 +775,13 @@ async def _drain(host: Host, grace_s: float) -> None:
             nursery.cancel_scope.cancel()
 
 
-def _console_hosts(host: str) -> tuple[str, ...]:
-    """The names a local browser may use for the console's host: a loopback address is
-    also reached as ``localhost`` and the other loopback spelling."""
+def _console_hosts(host: str, allowed: Iterable[str] = ()) -> tuple[str, ...]:
+    """The names a browser may use for the console's host: a loopback address is also
+    reached as ``localhost`` and the other loopback spelling; and the names the owner
+    allowed (``--allow-host``)."""
     loopback = ("127.0.0.1", "localhost", "::1")
-    return loopback if host in loopback else (host,)
+    own = loopback if host in loopback else (host,)
+    return tuple(dict.fromkeys((*own, *allowed)))
 
 
 async def _start_console(
@@ -755,7 +794,11 @@ async def _start_console(
 ) -> None:
     gateway_port = gateway.port
     console = ConsoleServer(
-        listen_host=host, port=port, reuse_port=reuse_port, ws_port=gateway_port
+        listen_host=host,
+        port=port,
+        reuse_port=reuse_port,
+        ws_port=gateway_port,
+        host_names=gateway.host_names,
     )
     try:
         await nursery.start(console.run)
@@ -768,6 +811,7 @@ async def _start_console(
         return
     # The page connects from the browser: a wildcard bind is reached through loopback.
     ws_url = f"ws://{url_host(display_host(host))}:{gateway_port}{PATH}"
-    for name in _console_hosts(display_host(host)):
+    added = (name for name in gateway.host_names.names if name != "localhost")
+    for name in _console_hosts(display_host(host), added):
         gateway.allow_origin(f"http://{url_host(name)}:{console.port}")
     print(f"console: {console.url(ws_url, token)}", file=sys.stderr, flush=True)
