@@ -10,7 +10,8 @@ pending. :func:`pending_of` lists a session's waiting
 requests and :attr:`People.stored` those of stored sessions, read from their traces
 without loading them (each trace again only once it changed); :func:`answer` hands a
 person's answer to the session's work (waking a parked task: R-HITL-3) and returns once it
-is taken, or raises :class:`NotPending` — or :class:`InputTooLarge` for answer text larger
+is taken, or raises :class:`NotPending` (a question whose call no longer waits for it too)
+— or :class:`InputTooLarge` for answer text larger
 than one record of the session's trace carries (a cluster's NATS server): the text is the
 call's result, recorded whole, and such a record stopped the session on its host
 (R-SEC-9, R-CLUSTER-1).
@@ -30,6 +31,7 @@ from greenroom.actors.runtime.accounting import stored_origin
 from greenroom.actors.runtime.errors import InputTooLarge, NotPending
 from greenroom.actors.runtime.people_desk import PeopleDesk, WatchRequest
 from greenroom.actors.runtime.port import SessionPort
+from greenroom.actors.runtime.tool_pool import question_waits
 from greenroom.actors.runtime.trace_store import (
     FileTraceLog,
     StoredSessionMissing,
@@ -39,6 +41,7 @@ from greenroom.actors.runtime.trace_store import (
 )
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.messages import InterruptTask, PersonAnswered
+from greenroom.protocols.outputs import PeopleKind
 from greenroom.protocols.people import PendingApproval, arguments_digest, waiting_requests
 from greenroom.protocols.task import fold
 from greenroom.protocols.trace import input_size
@@ -123,7 +126,8 @@ class People:
 
 def pending_of(port: SessionPort) -> list[PendingApproval]:
     """The requests of ``port``'s open task that wait for a person
-    (:func:`~greenroom.protocols.people.waiting_requests`)."""
+    (:func:`~greenroom.protocols.people.waiting_requests`), less a question whose call no
+    longer waits for its answer here (R-HITL-5: whoever asked, once its host stopped)."""
     record = port.machine.record
     waiting = waiting_requests(
         record.pending_people,
@@ -132,15 +136,20 @@ def pending_of(port: SessionPort) -> list[PendingApproval]:
         origin=port.origin_path,
         running=port.inbox is not None,
     )
-    # A question of the session's MCP server (an allowed call's) is answerable only while
-    # that server waits for it here: a supervisor that took the task up after a restart
-    # runs no call yet, and the server that asked went with the host that stopped
-    # (R-HITL-5). A subagent's are its parent's servers (no view of its own): as before.
-    mcp = port.mcp
-    return [p for p in waiting if not (
-        mcp is not None and p.kind == "question" and p.call_id in record.allowed
-        and p.tool.startswith("mcp__") and not mcp.asks(p.call_id)
-    )]  # fmt: skip
+    return [p for p in waiting if not _asker_gone(port, p.call_id, p.kind)]
+
+
+def _asker_gone(port: SessionPort, call_id: str, kind: PeopleKind) -> bool:
+    """Whether the request of ``call_id`` is a question its running call asked (``ctx.ask``:
+    an MCP server's elicitation, a Python tool's, whichever session's servers) and that call
+    no longer waits for the answer here: a supervisor that took the task up after a restart
+    runs no call yet, and the call that asked went with the host that stopped (R-HITL-5).
+    Nobody can answer it; the task's resumption settles the call as in doubt."""
+    return (
+        kind == "question"
+        and call_id in port.machine.record.allowed
+        and not question_waits(port.inbox, call_id)
+    )
 
 
 @attrs.frozen
@@ -256,6 +265,12 @@ async def answer(port: SessionPort, message: PersonAnswered) -> None:
         raise NotPending(
             f"call {message.call_id!r} of session {port.id} waits for no answer: it was "
             "answered, it timed out, or its task ended"
+        )
+    if _asker_gone(port, message.call_id, request.kind):
+        raise NotPending(
+            f"the question of call {message.call_id!r} of session {port.id} was asked by the "
+            "running call, which no longer waits for its answer: the host that ran it "
+            "stopped (the call is in doubt once its task resumes) or the call ended"
         )
     if message.digest is not None and message.digest != arguments_digest(request.arguments):
         raise NotPending(

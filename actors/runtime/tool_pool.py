@@ -15,10 +15,13 @@ record stopped the session on its host (R-SEC-9).
 Progress notes go to the supervisor, which drops those of finished calls (R-TOOL-6).
 A tool that takes ``ctx`` gets the supervisor's ``spawn`` callback there (subagents,
 R-HOST-4); the subagent then runs in the call's task, under this pool's cancellation.
+Every call's context is also :func:`current_tool_context` while its tool runs: a tool whose
+arguments are all the model's (an MCP server's, where ``ctx`` may be one of them: R-MCP-3)
+reaches it there, and its arguments reach it as the model gave them.
 Where people answer the task's requests, ``ctx.ask`` puts a question to them through the
 supervisor (``QuestionAsked``: an MCP server's elicitation, R-HITL-5); the call keeps its
-slot while it waits. Every call's context carries its idempotency key (R-EFFECT-1), the
-one its ``RunToolCall`` names.
+slot while it waits, and :func:`question_waits` says so meanwhile. Every call's context
+carries its idempotency key (R-EFFECT-1), the one its ``RunToolCall`` names.
 
 In doubt (R-EFFECT-2): ``CheckToolCall`` asks a tool's ``check`` whether a call its host
 lost took effect, in a task of its own and outside the slots (a check only looks), bounded
@@ -44,6 +47,8 @@ import contextlib
 import contextvars
 import hashlib
 import math
+import weakref
+from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, assert_never
@@ -97,6 +102,36 @@ SUBAGENT_CANCEL_GRACE_S = 3.0
 ``abort`` and ``task_end`` before the parent settles (R-HOST-4), and its teardown is itself
 bounded (its tools are abandoned after :data:`CANCEL_GRACE_S`, its trace writes by the
 supervisor's own grace)."""
+
+
+_CONTEXT: contextvars.ContextVar[ToolContext | None] = contextvars.ContextVar(
+    "greenroom_tool_context", default=None
+)
+
+
+def current_tool_context() -> ToolContext | None:
+    """The context of the tool call whose tool runs here (in the tool function's task and
+    the tasks it starts), whether or not the tool takes ``ctx``; None outside a call a pool
+    runs (a tool function called by hand, a check of a call in doubt)."""
+    return _CONTEXT.get()
+
+
+# A question is answerable only while the call that asked waits for its answer (R-HITL-5):
+# the asks waiting now, by call id, of the task whose supervisor's inbox is the key. Weak:
+# an inbox goes with its supervisor, and nothing here keeps it.
+_WAITING: weakref.WeakKeyDictionary[trio.MemorySendChannel[SupervisorMessage], Counter[str]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def question_waits(inbox: trio.MemorySendChannel[SupervisorMessage] | None, call_id: str) -> bool:
+    """Whether call ``call_id`` of the task whose supervisor's inbox is ``inbox`` (a port's
+    ``inbox``) waits now, in this process, for the answer to a question it asked
+    (``ctx.ask``: a Python tool's, an MCP server's elicitation, R-HITL-5). False once the
+    call stopped waiting, and for a question the trace holds from a host that stopped: the
+    call that asked went with it, and nobody can answer it."""
+    waiting = None if inbox is None else _WAITING.get(inbox)
+    return waiting is not None and waiting[call_id] > 0
 
 
 class ToolPool:
@@ -267,24 +302,25 @@ class ToolPool:
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                 inbox.send_nowait(ToolProgressed(call_id=call.id, message=message))
 
+        spawn = self._spawn
+        ctx = ToolContext(
+            call_id=call.id,
+            workspace_dir=self._workspace_dir,
+            scratchpad_dir=self._scratchpad_dir,
+            report_progress=report,
+            spawn=None if spawn is None else running.track_spawn(spawn),
+            sandbox=self._sandbox,
+            shell_network=self._shell_network,
+            private_dirs=self._private_dirs,
+            workspace_identity=self._workspace_identity,
+            ask=_asker(inbox, call.id) if self._people else None,
+            editor=self._editor,
+            idempotency_key=idempotency_key or call.id,
+        )
         kwargs = dict(call.arguments)
         if tool.takes_ctx:
-            spawn = self._spawn
-            kwargs["ctx"] = ToolContext(
-                call_id=call.id,
-                workspace_dir=self._workspace_dir,
-                scratchpad_dir=self._scratchpad_dir,
-                report_progress=report,
-                spawn=None if spawn is None else running.track_spawn(spawn),
-                sandbox=self._sandbox,
-                shell_network=self._shell_network,
-                private_dirs=self._private_dirs,
-                workspace_identity=self._workspace_identity,
-                ask=_asker(inbox, call.id) if self._people else None,
-                editor=self._editor,
-                idempotency_key=idempotency_key or call.id,
-            )
-        running.start(tool.function, kwargs, name=f"tool {call.name} ({call.id})")
+            kwargs["ctx"] = ctx
+        running.start(tool.function, kwargs, name=f"tool {call.name} ({call.id})", ctx=ctx)
         finished = await running.wait(tool.timeout_s)
         if not finished:
             return "error", _text(f"{call.name} timed out after {tool.timeout_s} s")
@@ -445,12 +481,20 @@ class _Detached:
         return tracked
 
     def start(
-        self, function: Callable[..., Awaitable[Any]], kwargs: dict[str, Any], *, name: str
+        self,
+        function: Callable[..., Awaitable[Any]],
+        kwargs: dict[str, Any],
+        *,
+        name: str,
+        ctx: ToolContext | None = None,
     ) -> None:
+        """Start ``function(**kwargs)``; ``ctx`` is :func:`current_tool_context` in it."""
         # A copy of the caller's context: system tasks would otherwise start without it.
-        trio.lowlevel.spawn_system_task(
-            self._body, function, kwargs, name=name, context=contextvars.copy_context()
-        )
+        # The call's own, set always: a tool run inside another's call (a subagent's) never
+        # sees the outer call's.
+        context = contextvars.copy_context()
+        context.run(_CONTEXT.set, ctx)
+        trio.lowlevel.spawn_system_task(self._body, function, kwargs, name=name, context=context)
 
     async def _body(self, function: Callable[..., Awaitable[Any]], kwargs: dict[str, Any]) -> None:
         try:
@@ -504,11 +548,16 @@ def _asker(
             inbox.send_nowait(QuestionAsked(call_id=call_id, arguments=arguments, reply=reply_send))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return _UNANSWERED
+        waiting = _WAITING.setdefault(inbox, Counter())
+        waiting[call_id] += 1  # before the supervisor records the question: no checkpoint
         try:
             return await reply.receive()
         except trio.EndOfChannel:
             return _UNANSWERED
         finally:
             reply.close()
+            waiting[call_id] -= 1
+            if not waiting[call_id]:
+                del waiting[call_id]
 
     return ask

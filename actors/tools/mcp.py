@@ -33,7 +33,13 @@ and for URL mode, it is declined. The time a person takes does not count against
 ``timeout_s``. A question lasts only as long as its call: a call cannot outlive the host
 that runs it, so a host that stops while a question waits leaves the call in doubt when the
 task resumes (R-EFFECT-2), and the question is settled with it; until then nobody can answer
-it, and it is listed only while its server waits for it here (:meth:`McpBinding.asks`).
+it, and it is listed only while its call waits for it here
+(:func:`~greenroom.actors.runtime.tool_pool.question_waits`).
+
+A tool's arguments are the model's, each sent as given — ``ctx`` too, whether the tool's
+schema names it or not — and the call's ``ToolContext`` (progress, images, questions, the
+idempotency key) is :func:`~greenroom.actors.runtime.tool_pool.current_tool_context`,
+never an argument (R-MCP-3).
 
 OAuth (R-MCP-5): an HTTP server that asks for authorization gets the token ``greenroom mcp
 login`` stored for its URL, refreshed when it expires or is refused
@@ -75,6 +81,7 @@ from mcp.client import ClientRequestContext
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 
+from greenroom.actors.runtime.tool_pool import current_tool_context
 from greenroom.actors.tools.mcp_auth import STORE_NAME, StoredTokenAuth, auth_for
 from greenroom.actors.tools.mcp_bounds import bounded_http_client, bounded_sse_client
 from greenroom.actors.tools.mcp_commands import READ_RESOURCE
@@ -97,7 +104,7 @@ from greenroom.actors.tools.mcp_extras import (
 from greenroom.actors.tools.mcp_stdio import bounded_stdio_client
 from greenroom.protocols.content import ImageBlock, TextBlock, ToolContent
 from greenroom.protocols.context import ToolSchema
-from greenroom.protocols.effects import MCP_META_KEY, idempotency_key
+from greenroom.protocols.effects import MCP_META_KEY
 from greenroom.protocols.hooks import Hooks
 from greenroom.protocols.mcp_config import (
     McpConfigError,
@@ -187,8 +194,8 @@ class LiveToolTable(dict[str, Tool]):
 
 class _Call:
     """One tool call in flight on a connection: its cancel scope, its timeout, the
-    context of the greenroom call that made it (None for a tool that takes its own
-    ``ctx``), and the elicitations it waits on (each wait's cancel scope)."""
+    context of the greenroom call that made it (None for a call made outside a task's tool
+    pool), and the elicitations it waits on (each wait's cancel scope)."""
 
     __slots__ = ("_left", "ctx", "questions", "scope", "timeout")
 
@@ -522,12 +529,6 @@ class McpConnection:
                 call.resume_timeout()
         return _elicit_result(schema, answer)
 
-    def asks(self, key: str) -> bool:
-        """Whether the call in flight here with idempotency key ``key`` waits for the answer
-        to a question its server asked (an elicitation put to people: R-HITL-5)."""
-        calls = self._live.calls if self._live is not None else ()
-        return any(c.questions and c.ctx and c.ctx.idempotency_key == key for c in calls)
-
     def _asker(
         self, params: mcp_types.ElicitRequestParams
     ) -> tuple[_Call, Callable[[dict[str, Any]], Awaitable[QuestionAnswered]]] | str:
@@ -625,14 +626,12 @@ class McpConnection:
 
     def _tool(self, info: McpToolInfo) -> Tool:
         parallel = self.config.is_parallel(info.name, info.read_only)
-        # The pool passes the ToolContext as the argument ``ctx``: a tool with an argument
-        # of that name gets its own value and does without progress notes and images.
-        takes_ctx = "ctx" not in info.input_schema.get("properties", {})
         connection = self
 
+        # Every argument is the model's, ``ctx`` as much as any (declared by the schema or
+        # not): the pool's context comes apart, never in an argument's place.
         async def call(**arguments: Any) -> Any:
-            ctx = arguments.pop("ctx", None) if takes_ctx else None
-            return await connection.call(info.name, arguments, ctx)
+            return await connection.call(info.name, arguments, current_tool_context())
 
         return Tool(
             name=tool_name(self.name, info.name),
@@ -641,7 +640,6 @@ class McpConnection:
             parallel=parallel,
             side_effects=not parallel,
             function=call,
-            takes_ctx=takes_ctx,
         )
 
     async def call(
@@ -859,7 +857,7 @@ def _client_info() -> mcp_types.Implementation:
 def _meta(ctx: ToolContext | None) -> mcp_types.RequestParamsMeta | None:
     """The ``_meta`` of a ``tools/call`` request: the call's idempotency key
     (R-EFFECT-1), so a server that makes an effect can make it once however often the
-    call is sent; None for a tool whose own ``ctx`` argument leaves it no context. (The
+    call is sent; None for a call made outside a task's tool pool. (The
     SDK's type names only the keys the protocol defines; it sends the others as given.)"""
     if ctx is None:
         return None
@@ -1154,14 +1152,6 @@ class McpBinding:
             if connection.name == server:
                 return await connection.get_prompt(prompt, dict(arguments))
         raise McpServerError(f"no MCP server {server!r} in this session")
-
-    def asks(self, call_id: str) -> bool:
-        """Whether one of the session's servers waits now, in the session's call
-        ``call_id`` running here, for a person's answer to its question (R-HITL-5): the
-        call is known by its idempotency key, which no call of another session shares."""
-        session = self._session
-        key = idempotency_key(session.id, session.machine.record.call_seq(call_id), call_id)
-        return any(connection.asks(key) for connection in self._connections)
 
     def detach(self) -> None:
         """Stop listening to the servers' tool changes; the session's workspace stops

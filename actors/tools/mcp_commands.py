@@ -85,13 +85,6 @@ class McpView(Protocol):
         saying why not, in words."""
         ...
 
-    def asks(self, call_id: str) -> bool:
-        """Whether one of the session's servers waits now, in the session's call
-        ``call_id`` running here, for a person's answer to its question (an elicitation:
-        R-HITL-5). False once that call ended, and for a call the trace holds from a host
-        that stopped: the server process that asked went with it."""
-        ...
-
 
 class AttachmentError(ValueError):
     """An ``@server:uri`` attachment that could not be read; the message names it and why.
