@@ -746,7 +746,8 @@ class AcpAgent:
                 return
             # The prompts read before it and not handed over yet have no task to interrupt.
             self._order.cancel(entry.session.id)
-            entry.session.interrupt("cancelled by the client (session/cancel)")
+            # It cancels the prompt turn: background subagents are not part of it (R-TREE-2).
+            entry.session.interrupt("cancelled by the client (session/cancel)", scope="node")
         # Other notifications (extensions this agent does not know) are ignored, as ACP asks.
 
     # -- methods ----------------------------------------------------------------------------

@@ -5,12 +5,15 @@ Every running task goes on — a streaming answer completes, its tool calls fini
 next turn boundary, where its supervisor holds it (the task stays open in its trace with
 the steering it took recorded, and holds nothing; see ``SessionSupervisor._hold``). A
 foreground subagent is not held: it is part of its parent's tool call, which finishes;
-nor, without a hand-over, a subagent's background child (see :func:`holds_for_drain`). A
-session whose task is held, or parked on people, is then handed over when a hand-over is
-given (a cluster host hands it to another host at once: R-DRAIN-2); else the next host
-to open the data dir takes it up (``resume_tasks``), with the follow-ups queued behind it
-(recorded as ``task_queued``: R-STEER-6). Work that starts during the drain — a parked
-task a person's answer wakes — is waited for as well (:func:`drain_sessions`)."""
+nor, without a hand-over, a subagent's background child (see :func:`holds_for_drain`).
+Without one, a subagent's answered task that waits for background children which all
+rest — parked on people, or held — is held too (:func:`rests_with_children`): it would
+wait for them for the whole grace. A session whose task is held, or parked on people,
+is then handed over when a hand-over is given (a cluster host hands it to another host
+at once: R-DRAIN-2); else the next host to open the data dir takes it up
+(``resume_tasks``), with the follow-ups queued behind it (recorded as ``task_queued``:
+R-STEER-6). Work that starts during the drain — a parked task a person's answer wakes —
+is waited for as well (:func:`drain_sessions`)."""
 
 from __future__ import annotations
 
@@ -19,8 +22,9 @@ from collections.abc import Awaitable, Callable, Collection
 import trio
 
 from greenroom.actors.runtime.port import SessionPort, TaskInput
+from greenroom.protocols.messages import SubagentOutputs
 
-__all__ = ["HandOver", "drain_sessions", "holds_for_drain"]
+__all__ = ["HandOver", "drain_sessions", "holds_for_drain", "rests_with_children"]
 
 HandOver = Callable[[str], Awaitable[None]]
 """Hands a held or parked session, by id, to another host."""
@@ -40,14 +44,48 @@ def holds_for_drain(port: SessionPort) -> bool:
     boundary — from coming to rest: the drain lasted its whole grace, and the stop then
     interrupted them all. It runs on, as a foreground subagent does. A cluster host hands
     the tree over together, the held child with it (R-DRAIN-2)."""
-    host = port.host
     subagents_parent = port.parent_id is not None and port.parent_id != port.root_id
+    return _may_hold(port) and (port.host.hand_over is not None or not subagents_parent)
+
+
+def rests_with_children(port: SessionPort) -> bool:
+    """Whether ``port``'s task, a subagent's that has answered and waits for nothing but
+    its background children's answers (R-TREE-2), stops where it is because its host
+    drains: every one of those children rests — parked on a person's answer, or held —
+    so no answer comes within the grace, and waiting for it kept the tree from coming to
+    rest until the stop interrupted it. Held, the task stays open in its trace, waiting
+    as before, for the next host, which takes the children up with it; an answer during
+    the drain (a person allows a parked child's call) wakes it as it wakes a parked
+    task. Any of its ancestors that waits for it rests in turn, so a subagent's task is
+    held here whoever its parent is (unlike :func:`holds_for_drain`). Only on a host that
+    hands nothing over: a cluster host hands such a tree over as it waits (R-DRAIN-2)."""
+    children = port.children
+    if children is None or not children.live or port.machine.waiting_for != "children":
+        return False
+    return _may_hold(port) and port.host.hand_over is None and all(
+        child.background and child.port.inbox is None and (child.port.parked or child.port.held)
+        for child in children.live.values()
+    )
+
+
+def _may_hold(port: SessionPort) -> bool:
+    """The host drains, ``port`` is no foreground subagent, and its queued tasks are all
+    in its trace (see :func:`holds_for_drain`)."""
     return (
-        host.draining
+        port.host.draining
         and (port.parent_id is None or port.report_as is not None)
-        and (host.hand_over is not None or not subagents_parent)
         and all(isinstance(t, TaskInput) and t.queued_id for t in port.machine.queued_tasks)
     )
+
+
+def _tell_parent(port: SessionPort, open_ports: dict[str, SessionPort]) -> None:
+    """``port`` has come to rest: its parent, open here, looks again at whether its
+    task rests with its children (:func:`rests_with_children`). Nothing else would make
+    it look: a resting child sends it nothing. An empty batch of the child's outputs
+    emits nothing; its supervisor takes a step after it (as ``tree.stopped_running``)."""
+    parent = open_ports.get(port.parent_id) if port.parent_id is not None else None
+    if parent is not None:
+        parent.send(SubagentOutputs(outputs=(), origin=port.origin_path))
 
 
 async def drain_sessions(
@@ -60,6 +98,7 @@ async def drain_sessions(
     not cut off by the stop that follows the drain. Returns the held ones' ids."""
     held: dict[str, None] = {}
     handed: set[str] = set()
+    open_ports: dict[str, SessionPort] = {}
 
     async def settle(port: SessionPort) -> None:
         await port.wait_idle()
@@ -68,14 +107,17 @@ async def drain_sessions(
         elif port.id not in handed:
             held.pop(port.id, None)  # woken since, and ended here
         resting = port.held or port.parked
+        if resting:
+            _tell_parent(port, open_ports)
         if hand_over is not None and resting and not port.closed and port.id not in handed:
             handed.add(port.id)
             await hand_over(port.id)
 
     with trio.move_on_after(grace_s):
         while True:
+            open_ports = {port.id: port for port in list(ports)}
             async with trio.open_nursery() as nursery:
-                for port in list(ports):
+                for port in open_ports.values():
                     nursery.start_soon(settle, port)
             if all(port.idle is None for port in list(ports)):
                 break

@@ -98,9 +98,10 @@ class Turns(Protocol):
 
 class CallsInDoubt:
     """The calls in doubt of one task (see the module docstring). ``people``: the task's
-    requests go to people (``approve="people"``), who may then be asked."""
+    requests go to people (``approve="people"``), who may then be asked;
+    ``check_errors``: why each call's check failed, kept across the task's turns."""
 
-    __slots__ = ("_emitter", "_people", "_pool", "_port", "_run_id", "_turns")
+    __slots__ = ("_check_errors", "_emitter", "_people", "_pool", "_port", "_run_id", "_turns")
 
     def __init__(
         self,
@@ -111,6 +112,7 @@ class CallsInDoubt:
         pool: trio.MemorySendChannel[PoolCommand],
         run_id: str,
         people: bool,
+        check_errors: dict[str, str] | None = None,
     ) -> None:
         self._turns = turns
         self._port = port
@@ -118,6 +120,10 @@ class CallsInDoubt:
         self._pool = pool
         self._run_id = run_id
         self._people = people
+        self._check_errors = {} if check_errors is None else check_errors
+        """Why each call's check gave no answer, kept by the task's runner (this object
+        is made when used): the note an interrupt gives the call records it too, as
+        every resolution after a failed check does."""
 
     def take_up(self, record: TaskRecord) -> bool:
         """Resolve the calls in doubt of the turn just rebuilt from ``record`` (a call
@@ -204,9 +210,15 @@ class CallsInDoubt:
     def settle(self) -> None:
         """The task ends (interrupted, failed) with calls still in doubt: each is resolved
         as the note does, before the turn machine settles the rest. The pool is gone."""
-        for call_id in list(self._port.machine.record.in_doubt):
+        record = self._port.machine.record
+        for call_id in list(record.in_doubt):
             self._resolved(
-                call_id, by="note", outcome="unknown", content=markers.HOST_LOST_TEXT, pool=False
+                call_id,
+                by="note",
+                outcome="unknown",
+                content=markers.HOST_LOST_TEXT,
+                check_error=self._check_errors.get(call_id) or _asked_check_error(record, call_id),
+                pool=False,
             )
 
     def _resolve(self, call: ToolCallBlock, position: int, *, check_error: str | None) -> None:
@@ -254,6 +266,8 @@ class CallsInDoubt:
         found = self._doubted(call_id)
         if found is None:
             return
+        if answer.outcome == "failed":
+            self._check_errors[call_id] = answer.error or "the check failed"
         if answer.outcome != "done" and self._port.machine.stopping:
             # Told to stop while the check ran: no call starts now, nor is anyone asked;
             # the task's end gives the call the note (settle).
@@ -267,7 +281,7 @@ class CallsInDoubt:
             self._resolved(call_id, by="check", outcome="rerun")
         else:
             position, call = found
-            self._resolve(call, position, check_error=answer.error or "the check failed")
+            self._resolve(call, position, check_error=self._check_errors[call_id])
 
     def answer(self, request: ApprovalRequest, answer: PersonAnswered) -> str | None:
         """A person's answer to ``request``, the in-doubt question of its call (or the
@@ -309,3 +323,13 @@ class CallsInDoubt:
             check_error=check_error,
         )
         return None
+
+
+def _asked_check_error(record: TaskRecord, call_id: str) -> str | None:
+    """The check's error the pending in-doubt question of ``call_id`` carries (asked by
+    an earlier host, perhaps), None when it has none."""
+    for request in record.pending_people:
+        if request.call_id == call_id and request.kind == "in_doubt":
+            error = request.arguments.get("check_error")
+            return error if isinstance(error, str) else None
+    return None

@@ -227,8 +227,9 @@ class RunStream:
 
     Outputs arrive from the supervisor in batches over a memory channel; iterating hands
     them out one by one. ``aclose()`` (or leaving ``async with``) interrupts the work if it
-    is still running. Breaking out of the loop without closing leaves the task running to
-    its end; its outputs still reach the trace and subscribers.
+    is still running (the session's task, not its background subagents). Breaking out of
+    the loop without closing leaves the task running to its end; its outputs still reach
+    the trace and subscribers.
 
     While iterating, the stream keeps what most hosts would otherwise track by hand:
     :attr:`final_text` (the text of the model's last message) and :attr:`task_end`.
@@ -384,11 +385,15 @@ class RunStream:
 
     async def aclose(self) -> None:
         """Interrupt the run if it is still going — running, or parked on a person's
-        answer (it wakes to end) — and stop receiving."""
+        answer (it wakes to end) — and stop receiving. The run is its task (with its
+        foreground subagents) and the follow-ups queued behind it: the interrupt has scope
+        ``node``, so background subagents run on, and their answers still reach the
+        session as follow-up tasks (``Session.interrupt(scope="tree")`` ends them)."""
         if self._receive.statistics().open_send_channels:
             # The run's work still holds the other end (its supervisor, or the parked
-            # task: R-HITL-3), so the session's work is this run's.
-            self._deliver(InterruptTask(reason="run closed by host"))
+            # task: R-HITL-3), so the session's work is this run's. A background child
+            # is not (R-TREE-2: its spawning call returned), whichever run started it.
+            self._deliver(InterruptTask(reason="run closed by host", scope="node"))
         await self._receive.aclose()
 
     async def __aenter__(self) -> RunStream:

@@ -50,7 +50,7 @@ from typing import TypeVar, assert_never
 import trio
 
 from greenroom.actors.runtime.attachments import attach, has_images
-from greenroom.actors.runtime.drain import holds_for_drain
+from greenroom.actors.runtime.drain import holds_for_drain, rests_with_children
 from greenroom.actors.runtime.emitter import OutputEmitter, repaired_blocks
 from greenroom.actors.runtime.errors import ImageRefused
 from greenroom.actors.runtime.port import (
@@ -259,6 +259,8 @@ class SessionSupervisor:
                 if self._may_park():
                     await self._park()
                     return True
+                if rests_with_children(self._port):  # R-DRAIN-1: no answer would come
+                    return await self._hold((), ())
                 self._handle(await self._inbox.receive())
                 self._drain()
                 self._out.flush()
@@ -290,8 +292,7 @@ class SessionSupervisor:
         return self._task
 
     def _drain(self) -> bool:
-        """Handle every message already waiting, without blocking; whether there was
-        any."""
+        """Handle every message already waiting, without blocking; whether there was any."""
         receive = self._inbox
         handled = False
         while True:

@@ -149,6 +149,7 @@ class TurnRunner:
     __slots__ = (
         "_approvals",
         "_before_tool",
+        "_check_errors",
         "_emitter",
         "_people",
         "_pool",
@@ -180,6 +181,7 @@ class TurnRunner:
         self._emitter = emitter
         self._approvals = approvals
         self._pool = pool
+        self._check_errors: dict[str, str] = {}  # of calls in doubt: see CallsInDoubt
         self._questions: dict[str, Any] | None = None
         """The reply channels of running calls' open questions, by call id."""
         self.run_id = run_id
@@ -200,6 +202,7 @@ class TurnRunner:
             pool=self._pool,
             run_id=self.run_id,
             people=self._people,
+            check_errors=self._check_errors,
         )
 
     def actors_stopped(self) -> None:
