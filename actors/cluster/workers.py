@@ -495,11 +495,12 @@ def _reserve_port(host: str, port: int) -> socket.socket:
 
 
 def _under_lifeline(
-    ours: socket.socket, theirs: int
+    ours: socket.socket, theirs: int, launchers: list[trio.Process]
 ) -> Callable[[list[str]], Awaitable[trio.Process]]:
     """A spawner for :func:`start_nats_server`: the server run by ``shell_launcher.py`` in
     its lifeline mode (``theirs``: its end), in a session of its own (Ctrl-C at a terminal
-    reaches the workers, not the server they still use while they stop)."""
+    reaches the workers, not the server they still use while they stop); each launcher
+    is added to ``launchers`` as it starts, for :func:`_end_session`."""
 
     async def spawn(command: list[str]) -> trio.Process:
         ctype = os.environ.get("LC_CTYPE")
@@ -510,6 +511,7 @@ def _under_lifeline(
         process = await trio.lowlevel.open_process(
             launched, stderr=-1, pass_fds=(theirs,), start_new_session=True
         )
+        launchers.append(process)
         # The launcher reports on the lifeline once the server runs. Left unread, the report
         # would make the supervisor's end, closed by its death, reset the connection rather
         # than end it: the launcher would fail reading it and leave the server running.
@@ -538,6 +540,47 @@ async def _read_report(ours: socket.socket, process: trio.Process) -> None:
                 break
             report += received
         nursery.cancel_scope.cancel()
+
+
+def _end_session(leader: int) -> None:
+    """SIGKILL every process group left in the session the process ``leader`` began (the
+    NATS server's launcher begins one). A launcher killed before it could end its server —
+    a nats-server that hangs before it chooses a port is given up by killing its launcher
+    — leaves that server there, in a process group of its own, serving no one and holding
+    the JetStream store. Linux (``/proc``) only: elsewhere nothing is done. Linux gives no
+    new process the number of a session that still has a member, so every process found
+    is of this one."""
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return
+    groups: set[int] = set()
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as stat:
+                data = stat.read()
+        except OSError:
+            continue  # gone since the listing
+        # After the command name, which may hold spaces and parentheses: state, parent,
+        # process group, session.
+        fields = data[data.rfind(b")") + 2 :].split()
+        if len(fields) > 3 and int(fields[3]) == leader:
+            groups.add(int(fields[2]))
+    for group in groups:
+        with contextlib.suppress(OSError):  # ended since
+            os.killpg(group, signal.SIGKILL)
+
+
+async def _end_launched(launchers: list[trio.Process]) -> None:
+    """After the NATS server's launchers were asked to end: whatever is left of their
+    sessions is killed (:func:`_end_session`), every launcher reaped."""
+    for launcher in launchers:
+        await trio.to_thread.run_sync(_end_session, launcher.pid)
+        if launcher.returncode is None:  # without /proc: as the start's bound ends it
+            launcher.kill()
+        await launcher.wait()
 
 
 async def _end_nats(process: trio.Process, lifeline: socket.socket) -> None:
@@ -621,9 +664,10 @@ async def serve_workers(config: WorkersConfig) -> int:
         try:
             async with trio.open_nursery() as nursery:
                 nats = None
+                launchers: list[trio.Process] = []
                 try:
                     if config.nats is None:
-                        spawn = _under_lifeline(lifeline, theirs.fileno())
+                        spawn = _under_lifeline(lifeline, theirs.fileno(), launchers)
                         url, nats = await start_nats_server(nursery, data / "nats", spawn=spawn)
                     else:
                         url = config.nats
@@ -636,9 +680,12 @@ async def serve_workers(config: WorkersConfig) -> int:
                         lambda: _announce(config, url, port, console_port, token),
                     )
                 finally:
-                    if nats is not None:
-                        with trio.CancelScope(shield=True):
+                    with trio.CancelScope(shield=True):
+                        if nats is not None:
                             await _end_nats(nats, lifeline)
+                        # On every way out, the server's too: one whose start failed was
+                        # given up by killing its launcher, which then could not end it.
+                        await _end_launched(launchers)
                 nursery.cancel_scope.cancel()
         except* (ClusterError, NatsServerMissing) as failed:
             leaf: BaseException = failed

@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 import itertools
 import re
+import stat
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -51,8 +52,15 @@ def load_tools(spec: str) -> list[Tool]:
 
 def _import_file(spec: str) -> ModuleType:
     path = Path(spec).expanduser()
-    if not path.is_file():
-        raise ToolLoadError(f"tool file not found: {spec}")
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise ToolLoadError(f"tool file not found: {spec}") from None
+    except OSError as exc:  # a symbolic link loop, a directory on the way it may not enter
+        raise ToolLoadError(f"tool file {spec}: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(mode):
+        # A FIFO would be waited on for ever by the import, a device read without end.
+        raise ToolLoadError(f"tool file {spec}: {_not_regular(mode)}")
     stem = re.sub(r"\W", "_", path.stem)
     name = f"greenroom_user_tools_{next(_module_numbers)}_{stem}"
     module_spec = importlib.util.spec_from_file_location(name, path)
@@ -70,6 +78,17 @@ def _import_file(spec: str) -> ModuleType:
             f"importing tool file {spec} failed: {type(exc).__name__}: {exc}"
         ) from exc
     return module
+
+
+def _not_regular(mode: int) -> str:
+    """What a file of ``mode`` that is no regular file is, in a few words."""
+    if stat.S_ISDIR(mode):
+        return "it is a directory, not a file"
+    if stat.S_ISFIFO(mode):
+        return "it is a FIFO (a named pipe), not a regular file"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "it is a device, not a regular file"
+    return "it is not a regular file"
 
 
 def _import_module(spec: str) -> ModuleType:

@@ -7,6 +7,9 @@ imports the MCP SDK: a host with no MCP server loads none of it.
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -44,13 +47,36 @@ def read_env_file(name: str) -> dict[str, str]:
         if "${" in name:
             raise ValueError("its ${…} variables other than ${workspaceFolder} are not expanded")
         path = path.expanduser()
-        return env_file_values(path.read_text(encoding="utf-8"))
+        return env_file_values(_regular_file_text(path))
     except UnicodeDecodeError:
         raise EnvFileProblem(str(path), "it is not UTF-8 text") from None
     except OSError as exc:
         raise EnvFileProblem(str(path), exc.strerror or str(exc)) from None
     except (ValueError, RuntimeError) as exc:  # RuntimeError: a ~user with no home
         raise EnvFileProblem(str(path), str(exc)) from None
+
+
+MAX_ENV_FILE_BYTES = 1024 * 1024
+"""The most an ``envFile`` may hold: a path to a log or a device by mistake is refused."""
+
+
+def _regular_file_text(path: Path) -> str:
+    """The UTF-8 text of the regular file ``path``: a FIFO (whose open would wait for a
+    writer for ever) or a device (read without end) is an OSError before any read, as is
+    a file past :data:`MAX_ENV_FILE_BYTES` (R-SEC-1)."""
+    mode = os.stat(path).st_mode
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
+    if not stat.S_ISREG(mode):  # not opened: opening a device may act on it
+        raise OSError(0, "it is a FIFO or a device, not a regular file")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as file:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced since
+            raise OSError(0, "it is a FIFO or a device, not a regular file")
+        data = file.read(MAX_ENV_FILE_BYTES + 1)
+    if len(data) > MAX_ENV_FILE_BYTES:
+        raise OSError(0, "it is larger than 1 MiB")
+    return data.decode("utf-8")
 
 
 def load_config_files(
