@@ -41,6 +41,7 @@ from greenroom.actors.runtime import (
     ModelProvider,
     Session,
     SessionNotFound,
+    current_tool_context,
 )
 from greenroom.protocols.content import TextBlock, ToolCallBlock, UserContent
 from greenroom.protocols.outputs import ModelMsg, RequestBegin, TaskStart
@@ -61,10 +62,6 @@ from greenroom.protocols.trace import trace_file_number
 
 __all__ = ["replay_session", "replaying"]
 
-CTX = "ctx"
-"""The argument under which the tool pool passes a tool its context."""
-
-
 def denied_note(name: str) -> str:
     """What the model reads for a call a replay did not run."""
     return (
@@ -79,8 +76,8 @@ def replaying(
 ) -> Tool:
     """``tool`` as a replay offers it (see the module docstring); the outcome of each call
     is noted in ``outcomes``. Every argument reaches the record and the tool as the model
-    gave it: a tool with an argument named ``ctx`` (an MCP server's may have one) is run
-    without a tool context, which the pool would pass under that name."""
+    gave it: only a tool that takes the pool's context (``takes_ctx``) is given it as
+    ``ctx``; any other's ``ctx`` (an MCP server's may have one) is the model's."""
     original = tool.function
     name = tool.name
 
@@ -104,18 +101,19 @@ def replaying(
             return await original(ctx=ctx, **arguments)
         return await original(**arguments)
 
-    if not tool.takes_ctx and CTX in tool.input_schema.get("properties", {}):
-        # The argument is the tool's own: the pool's context would take its place.
+    if tool.takes_ctx:
 
-        async def replay_own_ctx(**arguments: Any) -> Any:
-            return await decide(None, arguments)
+        async def replay_call(ctx: ToolContext, **arguments: Any) -> Any:
+            return await decide(ctx, arguments)
 
-        return attrs.evolve(tool, function=replay_own_ctx, takes_ctx=False)
+        return attrs.evolve(tool, function=replay_call)
 
-    async def replay_call(ctx: ToolContext, **arguments: Any) -> Any:
-        return await decide(ctx, arguments)
+    async def replay_arguments(**arguments: Any) -> Any:
+        # Every argument is the model's (an MCP tool's ``ctx`` too, declared by its schema
+        # or not): the call's context comes apart, never in an argument's place.
+        return await decide(current_tool_context(), arguments)
 
-    return attrs.evolve(tool, function=replay_call, takes_ctx=True)
+    return attrs.evolve(tool, function=replay_arguments)
 
 
 async def replay_session(

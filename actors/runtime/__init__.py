@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     )
     from greenroom.actors.runtime.storage import SessionStore
     from greenroom.actors.runtime.subagents import spawn_subagent
+    from greenroom.actors.runtime.tool_pool import current_tool_context
     from greenroom.actors.runtime.trace_sink import (
         LEDGER_FILE_NAME,
         latest_trace_file,
@@ -98,6 +99,7 @@ _MODULE_OF = {
     "Session": "greenroom.actors.runtime.session",
     "SessionStore": "greenroom.actors.runtime.storage",
     "spawn_subagent": "greenroom.actors.runtime.subagents",
+    "current_tool_context": "greenroom.actors.runtime.tool_pool",
     "install_tool_hooks": "greenroom.actors.runtime.command_hooks",
     "load_hooks_file": "greenroom.actors.runtime.command_hooks",
     "latest_trace_file": "greenroom.actors.runtime.trace_sink",
@@ -148,6 +150,7 @@ __all__ = [
     "TraceLog",
     "TraceStore",
     "UsageLedger",
+    "current_tool_context",
     "default_data_dir",
     "install_tool_hooks",
     "latest_trace_file",
