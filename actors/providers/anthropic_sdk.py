@@ -14,7 +14,9 @@ library error is translated here, in :meth:`SDKTask.stream`, into a ``StreamFail
 the words the lean path uses for the same failure. A response head, and the body of a
 response outside 2xx (an error the SDK reads whole, a redirect httpx2 reads before it
 follows it), get no longer than the lean path gives them however they trickle in
-(:class:`~greenroom.actors.providers.stalls.HeadDeadline`, R-SEC-10).
+(:class:`~greenroom.actors.providers.stalls.HeadDeadline`, R-SEC-10). Redirects are
+followed as on the lean path (:func:`lean_redirects`, :func:`keys_stay_home`): only 307
+and 308, at most ``MAX_REDIRECTS`` of them, no key sent on to another origin.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from greenroom.actors.providers.base import (
 )
 from greenroom.actors.providers.httpx2_bodies import BoundedStream
 from greenroom.actors.providers.lean_http import TimeoutSettings
+from greenroom.actors.providers.lean_wire import CREDENTIALS, MAX_REDIRECTS, REDIRECTS
 from greenroom.actors.providers.library_bodies import BodyBounds
 from greenroom.actors.providers.media import TaskImages
 from greenroom.actors.providers.stalls import HeadDeadline, read_library_body, time_heads
@@ -107,7 +110,11 @@ class SDKClients:
                 limits=self._limits,
                 timeout=self._timeout,
                 verify=self._ssl,
-                event_hooks={"request": [time_heads], "response": [self._bounds]},
+                max_redirects=MAX_REDIRECTS,
+                event_hooks={
+                    "request": [time_heads, keys_stay_home],
+                    "response": [lean_redirects, self._bounds],
+                },
             ),
         )
         shard = _Shard(client)
@@ -136,6 +143,44 @@ class SDKClients:
         shards, self._shards = self._shards, []
         for shard in shards:
             await shard.client.close()
+
+
+_HOME = "greenroom_home"
+"""A request's extension: the origin its chain of redirects began at, None once it has
+left it (httpx2 copies a request's extensions into the request that follows its redirect)."""
+_HOPS = "greenroom_hops"
+"""A request's extension: how many redirects its chain has followed."""
+
+
+async def keys_stay_home(request: httpx2.Request) -> None:
+    """A request hook: once a chain of redirects has left the origin it began at, its
+    requests carry no credential header (:data:`~greenroom.actors.providers.lean_wire.
+    CREDENTIALS`), as on the lean path. httpx2 drops only ``authorization`` (and keeps it
+    from ``http://host`` to ``https://host``): an ``x-api-key`` from
+    ``ANTHROPIC_CUSTOM_HEADERS`` went to whatever server a 307 named (R-SEC-10)."""
+    extensions = request.extensions
+    home = extensions.setdefault(_HOME, request.url.origin)
+    if home is not None and request.url.origin != home:
+        extensions[_HOME] = home = None  # away for good, as on the lean path
+    if home is None:
+        for name in CREDENTIALS:
+            request.headers.pop(name.decode(), None)
+
+
+async def lean_redirects(response: httpx2.Response) -> None:
+    """A response hook: httpx2 follows a redirect only when it is a 307 or 308 and fewer
+    than ``MAX_REDIRECTS`` were followed before it, as the lean path does; any other
+    response is the answer (R-SEC-10). The SDK's client followed a 301, 302 or 303 too,
+    as a GET without the body, and up to 20 of them."""
+    if not response.has_redirect_location:
+        return
+    extensions = response.request.extensions
+    hops: int = extensions.get(_HOPS, 0)
+    if response.status_code in REDIRECTS and hops < MAX_REDIRECTS:
+        extensions[_HOPS] = hops + 1
+        return
+    # httpx2 follows a response only while it names where to go: without, it is the answer.
+    del response.headers["location"]
 
 
 class SDKTask:
@@ -233,4 +278,11 @@ def _timed_out(exc: BaseException, timeout: float | None) -> str:
     return timeout_words(seen, timeout)
 
 
-__all__ = ["POOL_SHARDS", "SHARD_BUSY", "SDKClients", "SDKTask"]
+__all__ = [
+    "POOL_SHARDS",
+    "SHARD_BUSY",
+    "SDKClients",
+    "SDKTask",
+    "keys_stay_home",
+    "lean_redirects",
+]

@@ -960,6 +960,19 @@ class _Reader:
 
 _BLANK_LINE = re.compile(rb"\n\r?\n")
 """The blank line that ends a head (or a body's trailers): CRLF or bare LF line breaks."""
+_HEX_DIGITS = b"0123456789abcdefABCDEF"
+
+
+def _chunk_size(line: bytes) -> int | None:
+    """The size a chunk's size line (without its CRLF) gives, as h11 reads one: 1 to 20
+    hex digits, then extensions (``;…``, ignored) or optional blanks; None for anything
+    else. (A regular expression costs half again as much, once a chunk.)"""
+    digits, extension, _ = line.partition(b";")
+    if not extension:
+        digits = digits.rstrip(b" \t")
+    if not 0 < len(digits) <= 20 or digits.strip(_HEX_DIGITS):
+        return None
+    return int(digits, 16)
 
 
 def _head_lines(head: bytes) -> list[bytes]:
@@ -1196,12 +1209,13 @@ class _ChunkedBody:
     the payload bytes of the next network read that held some (``done`` once the last
     chunk and its trailers have arrived; bytes after them are left to the reader)."""
 
-    __slots__ = ("_buffer", "_reader", "_remaining", "done")
+    __slots__ = ("_buffer", "_footer", "_reader", "_remaining", "done")
 
     def __init__(self, reader: _Reader) -> None:
         self._reader = reader
         self._buffer = reader.take_buffer()
         self._remaining = 0  # payload bytes of the current chunk still to come
+        self._footer = b""  # what is still to come of the CRLF that ends a chunk's payload
         self.done = False
 
     async def next_bytes(self) -> bytes:
@@ -1229,6 +1243,21 @@ class _ChunkedBody:
                 pieces.append(buffer[pos : pos + take])
                 pos += take
                 self._remaining -= take
+                if not self._remaining:
+                    self._footer = _CRLF
+                continue
+            footer = self._footer
+            if footer:
+                # Exactly CRLF, as h11 (the library paths' parser) wants it: a payload one
+                # byte longer than its size said, or a bare LF, splits the body differently
+                # on each path (R-SEC-1).
+                seen = buffer[pos : pos + len(footer)]
+                if not footer.startswith(seen):
+                    if pieces:
+                        break  # the payload before it first, as h11 hands it on
+                    raise RemoteProtocolError(f"malformed chunk footer: {seen!r} (expected CRLF)")
+                pos += len(seen)
+                self._footer = footer[len(seen) :]
                 continue
             line_end = buffer.find(_CRLF, pos)
             if line_end < 0:
@@ -1237,13 +1266,11 @@ class _ChunkedBody:
                     raise RemoteProtocolError("chunk size line too long")
                 break
             line = buffer[pos:line_end]
-            if not line:  # the CRLF that ends a chunk's payload
-                pos = line_end + 2
-                continue
-            size_text = line.split(b";", 1)[0].strip()
-            if not size_text or size_text.strip(b"0123456789abcdefABCDEF"):
+            chunk_size = _chunk_size(line)
+            if chunk_size is None:
+                if pieces:
+                    break  # the payload before it first, as h11 hands it on
                 raise RemoteProtocolError(f"illegal chunk size: {line[:100]!r}")
-            chunk_size = int(size_text, 16)
             if chunk_size == 0:
                 # The last chunk, then trailers (ignored) up to a blank line.
                 end = _trailers_end(buffer, line_end + 2)
