@@ -62,6 +62,7 @@ from greenroom.actors.gateway.access import (
     address_key,
     check_claim,
     claimed_client,
+    normal_host_name,
     stored_owners,
 )
 from greenroom.actors.gateway.config import (
@@ -174,6 +175,8 @@ class Gateway:
         self._origins = {normal_origin(origin) for origin in allowed_origins}
         self.host_names = HostNames(listen_host, allowed_hosts)
         """The names requests may give in their ``Host`` header (the console's too)."""
+        self._console_ports: list[int] = []
+        """The ports of the consoles served with the gateway (:meth:`allow_console`)."""
         self._seats = Seats(max_connections)
         self._grants = Grants()
         self._admission = Admission(self.limits)
@@ -346,8 +349,22 @@ class Gateway:
 
     def allow_host(self, name: str) -> None:
         """Answer requests whose ``Host`` header names ``name`` (a host name without a
-        port; raises ConfigurationError for anything else)."""
+        port; raises ConfigurationError for anything else), and admit the handshakes of
+        the console's page reached by that name (:meth:`allow_console`), also when the
+        console serves already (R-SEC-4)."""
         self.host_names.add(name)
+        for port in self._console_ports:
+            self.allow_origin(f"http://{url_host(normal_host_name(name))}:{port}")
+
+    def allow_console(self, port: int) -> None:
+        """Admit browser handshakes from the web console served on ``port`` on the
+        gateway's host: its origin under each name the console is reached by (loopback's
+        spellings, the listen host, the names of :meth:`allow_host`, now and later)."""
+        self._console_ports.append(port)
+        # The page connects from the browser: a wildcard bind is reached through loopback.
+        added = (name for name in self.host_names.names if name != "localhost")
+        for name in _console_hosts(display_host(self.listen_host), added):
+            self.allow_origin(f"http://{url_host(name)}:{port}")
 
     def grant(self, client_id: str, session_id: str) -> None:
         """Let ``client_id`` see and steer ``session_id`` (created elsewhere or by another
@@ -811,7 +828,5 @@ async def _start_console(
         return
     # The page connects from the browser: a wildcard bind is reached through loopback.
     ws_url = f"ws://{url_host(display_host(host))}:{gateway_port}{PATH}"
-    added = (name for name in gateway.host_names.names if name != "localhost")
-    for name in _console_hosts(display_host(host), added):
-        gateway.allow_origin(f"http://{url_host(name)}:{console.port}")
+    gateway.allow_console(console.port)
     print(f"console: {console.url(ws_url, token)}", file=sys.stderr, flush=True)

@@ -41,7 +41,9 @@ A report is sent once, when the child's taken-up task ends; the child then leave
 host's open sessions as a live child does (in a cluster its host releases it, as it
 releases any session it closes). A child whose task ended on the
 lost host a moment before that host could send the report sends none: the answer is in
-the child's trace (``session.children()`` finds it), not in the parent's input.
+the child's trace (``session.children()`` finds it), not in the parent's input. So too
+when the host closes before the report is taken (one line logged, no traceback): a
+closing host starts no follow-up in a parent, as for a live child's answer.
 """
 
 from __future__ import annotations
@@ -380,13 +382,26 @@ class ChildReports:
 
     async def deliver(self, parent_id: str, child_id: str, text: str, approve: Approval) -> None:
         """Hand child ``child_id``'s report ``text`` to ``parent_id`` (see the module
-        docstring); none when a tree interrupt ended the child (:meth:`end_unreached`)."""
+        docstring); none when a tree interrupt ended the child (:meth:`end_unreached`), nor
+        once the host is closed (one line logged: the answer stays in the child's trace,
+        as when a host is lost). Never raises :class:`HostClosed`."""
         if child_id in self._cut:
             self._cut.discard(child_id)
             return
         wait_s = self.retry_s * FIRST_RETRY_SHARE
         for _ in range(LINK_ATTEMPTS):
-            if await self._offer(parent_id, child_id, text, approve):
+            try:
+                if await self._offer(parent_id, child_id, text, approve):
+                    return
+            except HostClosed:
+                # A host closing is no failure: a closing host starts no follow-up in a
+                # parent, as for a live child's answer (subagents.py).
+                logger.warning(
+                    "subagent %s finished as its host closed; its answer for %s stays in "
+                    "its trace (session.children() finds it)",
+                    child_id,
+                    parent_id,
+                )
                 return
             await trio.sleep(wait_s)
             wait_s = min(wait_s * 2, self.retry_s)
