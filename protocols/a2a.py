@@ -19,8 +19,11 @@ The mapping, in one place:
   text and choices (:func:`approval_prompt`) and answered by the message's text, which
   the history shows as the user's turn once the call has it as its result (a running
   call's answer is not traced: the history says only that it was answered or declined).
-  A running call's question is declined by a ``{"decision": "deny"}`` data part
-  (:func:`declines`), never by its text: ``deny`` may be the answer itself.
+  A question is declined by a ``{"decision": "deny"}`` data part (:func:`declines`),
+  never by its text: ``deny`` may be the answer itself. A running call's is denied; the
+  model's own (``ask_user``) gets :data:`~greenroom.protocols.markers.DECLINED_ANSWER` as
+  its result, as AG-UI's ``cancelled`` resume gives it; either shows in the history as
+  ``{"call_id": …, "question": "declined"}``.
   Each request and each answer is a message of its own id, also when one call is asked
   twice (its approval, then its question).
 * The runtime's own input to a task (the "host lost" note a task resumed after its host
@@ -43,7 +46,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal, assert_never
 
 from greenroom.protocols.content import ImageBlock, TextBlock, ToolCallBlock
-from greenroom.protocols.markers import HOST_LOST_CONTINUATION
+from greenroom.protocols.markers import DECLINED_ANSWER, HOST_LOST_CONTINUATION
 from greenroom.protocols.outputs import (
     Abort,
     ApprovalDecision,
@@ -565,7 +568,12 @@ class TaskFold:
     def _tool_result(self, output: ToolCallOutput) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
         text = "\n".join(b.text for b in output.content if isinstance(b, TextBlock))
-        if output.call_id in self._answered:
+        if output.call_id in self._answered and text == DECLINED_ANSWER:
+            # Declined: the words are the model's to read, not what the user said.
+            self._answered.discard(output.call_id)
+            declined = {"call_id": output.call_id, "question": "declined"}
+            self._user_answer(output.call_id, [data_part(declined)])
+        elif output.call_id in self._answered:
             self._answered.discard(output.call_id)
             answer = {"call_id": output.call_id, "answer": text}
             self._user_answer(output.call_id, [text_part(text), data_part(answer)])

@@ -253,6 +253,10 @@ def too_long_error(frame: TooLong) -> FrameError | Response:
     if known_id and "method" not in keys and ("result" in keys or "error" in keys):
         said = f"the answer was a {message}, and was not read"
         return Response(id=frame_id, error={"code": INVALID_REQUEST, "message": said})
+    # A head with a method and no id is not known to be a notification: the head is cut
+    # within a value, and an id may follow it (object keys have no order). JSON-RPC answers
+    # a message whose id cannot be read with a null id, as a parse error may have been a
+    # notification too; silence would hide from a request's sender that it was dropped.
     return FrameError(id=frame_id if known_id else None, error=RpcError(INVALID_REQUEST, message))
 
 

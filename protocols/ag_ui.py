@@ -52,6 +52,7 @@ from typing import Any, assert_never
 
 from greenroom.protocols.a2a import question_choices
 from greenroom.protocols.content import TextBlock, ToolCallBlock
+from greenroom.protocols.markers import DECLINED_ANSWER
 from greenroom.protocols.mcp_config import schema_problem
 from greenroom.protocols.outputs import (
     Abort,
@@ -128,14 +129,15 @@ def parse_resume(
     ``cancelled`` entry denies), the text for a question (``payload.answer`` or a string).
     A ``cancelled`` entry declines a ``declinable`` question (one a running call asks, an
     MCP elicitation: ``deny``); the model's own question has no decline, and is told the
-    person declined. Raises :class:`ResumeError` for a payload that gives neither."""
+    person declined (:data:`~greenroom.protocols.markers.DECLINED_ANSWER`). Raises
+    :class:`ResumeError` for a payload that gives neither."""
     status = entry.get("status")
     payload = entry.get("payload")
     if kind == "question":
         if status == "cancelled" and declinable:
             return "deny", None
         if status == "cancelled":
-            return None, "(the person declined to answer)"
+            return None, DECLINED_ANSWER
         answer = payload.get("answer") if isinstance(payload, Mapping) else payload
         if isinstance(answer, str):
             return None, answer

@@ -407,7 +407,9 @@ class TurnRunner:
             text = answer.text if answer.by == "client" else markers.NO_ANSWER_TEXT
             if text is None:
                 return f"call {call_id!r} is a question: answer it with text"
-            problem = answer_problem(request.arguments, text) if answer.by == "client" else None
+            # A decline is none of the choices, and need not be: the model is told so (R-HITL-5).
+            unchecked = answer.by != "client" or text == markers.DECLINED_ANSWER
+            problem = None if unchecked else answer_problem(request.arguments, text)
             if problem is not None:
                 return f"call {call_id!r} {problem}"
             self.apply(
