@@ -18,7 +18,6 @@ reports the policy's refusal.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,7 @@ import trio
 from test_console import BROWSER_BOUND_S, Page, chromium, get, needs_chromium, raw_request
 from trio_websocket import WebSocketRequest, serve_websocket
 
-from greenroom.actors.gateway import SessionDefaults, run_serve
+from tests.support.serve_console import serve_console
 
 RECORD_REFUSALS = """
 window.__refused = [];
@@ -35,31 +34,6 @@ document.addEventListener("securitypolicyviolation", (event) => {
 });
 """
 """Installed in the page before its own script: the connections the policy refused."""
-
-
-async def serve_console(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], nursery: trio.Nursery
-) -> tuple[int, int, str]:
-    """``run_serve`` with its console, as the command runs it: the gateway's port, the
-    console's port and the token the console URL carries."""
-    ready = trio.Event()
-    nursery.start_soon(
-        lambda: run_serve(
-            host="127.0.0.1",
-            port=0,
-            data_dir=tmp_path / "data",
-            defaults=SessionDefaults(provider="scripted", workspace_dir=tmp_path / "ws"),
-            ready=lambda port: ready.set(),
-            console_port=0,
-        )
-    )
-    await ready.wait()
-    err = capsys.readouterr().err
-    found = re.search(
-        r"console: http://127\.0\.0\.1:(\d+)/\?ws=ws://127\.0\.0\.1:(\d+)/v1#token=(\S+)", err
-    )
-    assert found, err
-    return int(found.group(2)), int(found.group(1)), found.group(3)
 
 
 async def test_the_serve_console_policy_names_the_gateways_port_alone(

@@ -45,6 +45,35 @@ def shown(update: Any) -> str:
     return "".join(getattr(c.content, "text", "") for c in update.content or [])
 
 
+async def prompt_research(agent: Agent, workspace: Path) -> str:
+    """Open a session in ``workspace`` and prompt it to research (the root starts the
+    background scout and answers): the session's id."""
+    await agent.conn.initialize(protocol_version=1)
+    created = await agent.conn.new_session(cwd=str(workspace), mcp_servers=[])
+    sid = created.session_id
+    answer = await agent.conn.prompt(session_id=sid, prompt=text("research"))
+    assert answer.stop_reason == "end_turn"
+    return sid
+
+
+async def subagent_opened(editor: Editor) -> Any:
+    """The update that opened the background child's own tool call."""
+    return await editor.wait_for(
+        lambda u: u.session_update == "tool_call" and u.tool_call_id.startswith("subagent:")
+    )
+
+
+async def subagent_closed(editor: Editor, opened: Any) -> Any:
+    """The update that closed the call ``opened`` opened, completed or failed."""
+    return await editor.wait_for(
+        lambda u: (
+            u.session_update == "tool_call_update"
+            and u.tool_call_id == opened.tool_call_id
+            and u.status in ("completed", "failed")
+        )
+    )
+
+
 def test_a_background_child_has_its_own_call_is_steered_by_node_and_its_answer_streams(
     tmp_path: Path,
 ) -> None:
@@ -54,15 +83,9 @@ def test_a_background_child_has_its_own_call_is_steered_by_node_and_its_answer_s
     async def scenario() -> None:
         async with tree_agent(tmp_path) as agent:
             editor = agent.editor
-            await agent.conn.initialize(protocol_version=1)
-            created = await agent.conn.new_session(cwd=str(workspace), mcp_servers=[])
-            sid = created.session_id
-            answer = await agent.conn.prompt(session_id=sid, prompt=text("research"))
-            assert answer.stop_reason == "end_turn"
+            sid = await prompt_research(agent, workspace)
             assert "Started the scout." in editor.text()
-            opened = await editor.wait_for(
-                lambda u: u.session_update == "tool_call" and u.tool_call_id.startswith("subagent:")
-            )
+            opened = await subagent_opened(editor)
             node = meta(opened)["nodeId"]
             assert opened.tool_call_id == f"subagent:{node}" and meta(opened)["background"]
             assert opened.raw_input == {"task": "scout the notes", "sessionId": node}
@@ -84,13 +107,7 @@ def test_a_background_child_has_its_own_call_is_steered_by_node_and_its_answer_s
                 assert refused.value.code == -32002
 
             await asyncio.to_thread((tmp_path / "hold").write_text, "go\n")
-            closed = await editor.wait_for(
-                lambda u: (
-                    u.session_update == "tool_call_update"
-                    and u.tool_call_id == opened.tool_call_id
-                    and u.status in ("completed", "failed")
-                )
-            )
+            closed = await subagent_closed(editor, opened)
             assert closed.status == "completed" and meta(closed)["nodeId"] == node
             assert "◂ hold ok" in shown(closed)
             # The steering reached the child's model (marked as steering by the runtime).

@@ -16,6 +16,7 @@ import trio
 
 from greenroom.actors.apps.parser import build_parser
 from greenroom.actors.cluster import server, workers
+from tests.test_workersfix_serve_workers import _wait_gone
 
 BOUND_S = 30.0
 """A guard on the wait for a process to end: it ends at once, or the test fails."""
@@ -28,17 +29,6 @@ def _killed_at_the_end(pid_file: Path) -> Iterator[None]:
     finally:  # what a failing run leaves behind
         with contextlib.suppress(OSError, ValueError):
             os.kill(int(pid_file.read_text()), signal.SIGKILL)
-
-
-async def _ended(pid: int) -> None:
-    try:
-        descriptor = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    try:
-        await trio.lowlevel.wait_readable(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pidfd, /proc: Linux")
@@ -68,7 +58,7 @@ def test_a_nats_server_given_up_before_it_chose_a_port_does_not_outlive_its_laun
     async def scenario() -> int:
         code = await workers.serve_workers(config)
         with trio.fail_after(BOUND_S):  # a guard: the server is killed before the return
-            await _ended(int(pid_file.read_text()))
+            await _wait_gone([int(pid_file.read_text())])
         return code
 
     with _killed_at_the_end(pid_file):

@@ -31,6 +31,7 @@ import trio.testing
 from greenroom.actors.providers.anthropic import AnthropicProvider
 from greenroom.actors.providers.lean_http import DEADLINE_SLACK, Timeouts
 from greenroom.actors.providers.openai import OpenAIProvider
+from greenroom.actors.providers.openai_responses import OpenAIResponsesProvider
 from greenroom.actors.runtime.host import Host
 from greenroom.protocols.anthropic_codec import AnthropicStreamDecoder
 from greenroom.protocols.anthropic_codec import classify_error as anthropic_classify
@@ -55,6 +56,7 @@ from tests.support.mock_model_server import (
     Text,
     open_mock_server,
 )
+from tests.support.raw_http import serve_answer
 
 BOUND_S = 20.0
 """Bound on every wait: a hang fails the test instead of the suite."""
@@ -354,6 +356,8 @@ def request() -> ModelRequest:
 def provider_for(wire: str, base_url: str, lean: bool) -> Any:
     if wire == "anthropic":
         return AnthropicProvider(base_url=base_url, api_key="k", lean_http=lean)
+    if wire == "openai-responses":
+        return OpenAIResponsesProvider(base_url=base_url + "/v1", api_key="k", lean_http=lean)
     return OpenAIProvider(base_url=base_url + "/v1", api_key="k", lean_http=lean)
 
 
@@ -391,27 +395,6 @@ async def test_a_redirect_to_no_url_is_bad_http_on_both_paths(wire: str) -> None
     ), failures[True].message
 
 
-async def _serve_once(
-    listener: trio.SocketListener, answer: bytes, task_status: Any = trio.TASK_STATUS_IGNORED
-) -> None:
-    """Answer each request on ``listener`` with ``answer``, then close the connection."""
-    task_status.started()
-    while True:
-        stream = await listener.accept()
-        try:
-            data = b""
-            while b"\r\n\r\n" not in data:
-                data += await stream.receive_some(65536)
-            head, _, body = data.partition(b"\r\n\r\n")
-            length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
-            while len(body) < length:
-                body += await stream.receive_some(65536)
-            await stream.send_all(answer)
-        except trio.BrokenResourceError:
-            pass
-        await stream.aclose()
-
-
 SSE_BODY = anthropic_body(message_start(), *text(0, "hi"), *message_end())
 CHUNKED = b"%x\r\n%s\r\n0\r\n\r\n" % (len(SSE_BODY), SSE_BODY)
 SSE_HEAD = b"content-type: text/event-stream\r\n"
@@ -440,7 +423,7 @@ async def test_a_head_the_libraries_refuse_fails_the_lean_path_alike(case: str) 
     port = listener.socket.getsockname()[1]
     kinds = {}
     async with trio.open_nursery() as nursery:
-        await nursery.start(_serve_once, listener, answer)
+        await nursery.start(serve_answer, listener, answer)
         for lean in (True, False):
             events = await one_stream(provider_for("anthropic", f"http://127.0.0.1:{port}", lean))
             failure = events[-1]

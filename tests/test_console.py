@@ -35,7 +35,7 @@ from trio_websocket import WebSocketConnection, open_websocket_url
 
 from greenroom.actors.apps.parser import build_parser
 from greenroom.actors.apps.serve_command import console_port
-from greenroom.actors.gateway import Gateway, SessionDefaults, run_serve
+from greenroom.actors.gateway import Gateway, SessionDefaults
 from greenroom.actors.gateway.console import (
     CONSOLE_SLACK,
     PAGE_PATH,
@@ -47,6 +47,7 @@ from greenroom.actors.providers.scripted import Reply, ScriptedProvider, ScriptS
 from greenroom.actors.runtime.host import Host
 from greenroom.protocols.stream import ModelError
 from greenroom.protocols.tools import Tool
+from tests.support.serve_console import start_serve
 
 BOUND_S = 10.0
 BROWSER_BOUND_S = 60.0
@@ -233,20 +234,9 @@ def test_serve_flags_choose_the_console_port() -> None:
 async def test_run_serve_prints_the_console_url(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    ready = trio.Event()
     with trio.fail_after(BOUND_S):
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(
-                lambda: run_serve(
-                    host="127.0.0.1",
-                    port=0,
-                    data_dir=tmp_path / "data",
-                    defaults=SessionDefaults(provider="scripted", workspace_dir=tmp_path / "ws"),
-                    ready=lambda port: ready.set(),
-                    console_port=0,
-                )
-            )
-            await ready.wait()
+            await start_serve(tmp_path, nursery)
             err = capsys.readouterr().err
             token = (tmp_path / "data" / "serve.token").read_text().strip()
             match = re.search(r"console: (http://127\.0\.0\.1:(\d+)/\?ws=(\S+)#token=(\S+))", err)
@@ -262,22 +252,11 @@ async def test_run_serve_prints_the_console_url(
 async def test_run_serve_without_a_free_console_port_still_serves(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    ready = trio.Event()
     with trio.fail_after(BOUND_S):
         taken = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
         async with taken, trio.open_nursery() as nursery:
             busy_port = taken.socket.getsockname()[1]
-            nursery.start_soon(
-                lambda: run_serve(
-                    host="127.0.0.1",
-                    port=0,
-                    data_dir=tmp_path / "data",
-                    defaults=SessionDefaults(provider="scripted", workspace_dir=tmp_path / "ws"),
-                    ready=lambda port: ready.set(),
-                    console_port=busy_port,
-                )
-            )
-            await ready.wait()
+            await start_serve(tmp_path, nursery, console_port=busy_port)
             err = capsys.readouterr().err
             assert f"console: cannot listen on 127.0.0.1:{busy_port}" in err
             assert "listening on ws://127.0.0.1:" in err

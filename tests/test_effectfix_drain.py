@@ -158,6 +158,21 @@ async def test_a_call_in_doubt_a_person_says_to_run_again_while_the_host_drains_
     assert not of(lines, "task_end")
 
 
+async def drain_releasing(host: Host, slow: SlowTool) -> list[str]:
+    """Drain ``host`` with no bound on its grace and, once every task waits, let ``slow``
+    finish: the sessions the drain held."""
+    held: list[str] = []
+
+    async def drain() -> None:
+        held.extend(await host.drain(grace_s=math.inf))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(drain)
+        await trio.testing.wait_all_tasks_blocked()
+        slow.release.set()
+    return held
+
+
 def _tree_brain(request: ModelRequest) -> Reply:
     """The root runs a subagent (``mid``) in the foreground; ``mid`` starts ``grand`` in
     the background and waits for its answer; ``grand`` calls ``slow``."""
@@ -193,15 +208,7 @@ async def test_a_subagents_background_child_runs_on_so_the_tree_comes_to_rest(
         root.run("delegate", approve=allow_all)
         with trio.fail_after(RUN_TIMEOUT_S):
             await slow.started.wait()
-            async with trio.open_nursery() as nursery:
-                held: list[str] = []
-
-                async def drain() -> None:
-                    held.extend(await host.drain(grace_s=math.inf))
-
-                nursery.start_soon(drain)
-                await trio.testing.wait_all_tasks_blocked()
-                slow.release.set()
+            held = await drain_releasing(host, slow)
         assert held == [root.id]
         lines = trace_lines(root)
         (spawned,) = of(lines, "tool_call_output")

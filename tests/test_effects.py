@@ -126,6 +126,41 @@ async def take_up(
     return session
 
 
+def resolved_by_the_note(lines: list[dict[str, Any]]) -> dict[str, Any]:
+    """The one ``call_resolved`` record of ``lines``, which says the note resolved it."""
+    (resolved,) = of(lines, "call_resolved")
+    assert (resolved["by"], resolved["outcome"]) == ("note", "unknown")
+    return resolved
+
+
+def assert_noted_and_aborted(lines: list[dict[str, Any]]) -> None:
+    """The one call's result is the note of a lost host, and the task ended aborted."""
+    (result,) = of(lines, "tool_call_output")
+    assert result["content"][0]["text"] == markers.HOST_LOST_TEXT
+    assert lines[-1]["type"] == "task_end" and lines[-1]["status"] == "aborted"
+
+
+async def take_up_interrupted_in_check(
+    crashed: Path, sid: str, providers: Any, then: Callable[[], None]
+) -> tuple[Payments, list[dict[str, Any]]]:
+    """Take session ``sid``'s crashed task up in a host on ``crashed``; the check of its
+    call in doubt interrupts the task, as the user would meanwhile, then does ``then()``
+    (returns: no payment found; raises: the check fails). The payments and the trace."""
+    opened: dict[str, Host] = {}
+
+    async def find(asked: str) -> None:
+        payments.asked.append(asked)
+        opened["host"].get_session(sid).interrupt()  # the user interrupts meanwhile
+        then()
+
+    payments = Payments(check=find)
+    async with open_host(crashed) as second:
+        opened["host"] = second
+        session = await take_up(second, sid, providers([]), payments.tool, allow_all)
+        lines = trace_lines(session)
+    return payments, lines
+
+
 # -- the key (R-EFFECT-1) -------------------------------------------------------------------
 
 
@@ -495,11 +530,8 @@ async def test_interrupting_a_task_whose_call_is_in_doubt_resolves_it_by_the_not
         assert not session.busy
         lines = trace_lines(session)
     assert payments.runs == []
-    (resolved,) = of(lines, "call_resolved")
-    assert (resolved["by"], resolved["outcome"]) == ("note", "unknown")
-    (result,) = of(lines, "tool_call_output")
-    assert result["content"][0]["text"] == markers.HOST_LOST_TEXT
-    assert lines[-1]["type"] == "task_end" and lines[-1]["status"] == "aborted"
+    resolved_by_the_note(lines)
+    assert_noted_and_aborted(lines)
 
 
 async def test_a_check_that_answers_after_an_interrupt_reruns_nothing(
@@ -510,23 +542,11 @@ async def test_a_check_that_answers_after_an_interrupt_reruns_nothing(
     ``check``/``rerun``, the run cancelled by the stop, the model told the user aborted the
     tool); no call starts after the interrupt, so the call gets the note."""
     sid, crashed, key = await crash_mid_call(host, workspace, tmp_path, providers)
-    opened: dict[str, Host] = {}
-
-    async def find(asked: str) -> None:
-        payments.asked.append(asked)
-        opened["host"].get_session(sid).interrupt()  # the user interrupts meanwhile
-        return None  # and the check then finds no payment
-
-    payments = Payments(check=find)
-    async with open_host(crashed) as second:
-        opened["host"] = second
-        session = await take_up(second, sid, providers([]), payments.tool, allow_all)
-        lines = trace_lines(session)
+    # The check then finds no payment.
+    payments, lines = await take_up_interrupted_in_check(crashed, sid, providers, lambda: None)
     assert payments.asked == [key] and payments.runs == []
     assert [(r["by"], r["outcome"]) for r in of(lines, "call_resolved")] == [("note", "unknown")]
-    (result,) = of(lines, "tool_call_output")
-    assert result["content"][0]["text"] == markers.HOST_LOST_TEXT
-    assert lines[-1]["type"] == "task_end" and lines[-1]["status"] == "aborted"
+    assert_noted_and_aborted(lines)
 
 
 # -- who resolves (pure) ----------------------------------------------------------------------

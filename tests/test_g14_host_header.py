@@ -16,7 +16,6 @@ to it), httpx, raw HTTP bytes to the console; real gateways on port 0.
 
 from __future__ import annotations
 
-import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -29,7 +28,8 @@ from test_gateway_ag_ui import posted, run_input
 from trio_websocket import ConnectionRejected, WebSocketConnection, wrap_client_stream
 
 from greenroom.actors.apps.parser import build_parser
-from greenroom.actors.gateway import GatewayLimits, SessionDefaults, run_serve
+from greenroom.actors.gateway import GatewayLimits
+from tests.support.serve_console import serve_console
 
 EVIL = "evil.example"
 
@@ -153,26 +153,9 @@ async def test_serve_allow_host_names_the_gateway_and_the_console(
     (tmp_path / "ws").mkdir()
     with trio.fail_after(BOUND_S):
         async with trio.open_nursery() as nursery:
-            ready = trio.Event()
-            nursery.start_soon(
-                lambda: run_serve(
-                    host="127.0.0.1",
-                    port=0,
-                    data_dir=tmp_path / "data",
-                    defaults=SessionDefaults(provider="scripted", workspace_dir=tmp_path / "ws"),
-                    ready=lambda port: ready.set(),
-                    console_port=0,
-                    allowed_hosts=["greenroom.test"],
-                )
+            gateway, console, token = await serve_console(
+                tmp_path, capsys, nursery, allowed_hosts=["greenroom.test"]
             )
-            await ready.wait()
-            err = capsys.readouterr().err
-            found = re.search(
-                r"console: http://127\.0\.0\.1:(\d+)/\?ws=ws://127\.0\.0\.1:(\d+)/v1#token=(\S+)",
-                err,
-            )
-            assert found, err
-            console, gateway, token = int(found.group(1)), int(found.group(2)), found.group(3)
             page = await raw_request(console, get(host=f"greenroom.test:{console}"))
             assert page.status == 200
             assert (await raw_request(console, get(host=f"{EVIL}:{console}"))).status == 421

@@ -8,18 +8,14 @@ names are equal once lower-cased, through the naming function and a real gateway
 from __future__ import annotations
 
 import hashlib
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import trio
-from test_gateway import BOUND_S, Server, connect
+from test_gateway import BOUND_S, connect
+from test_principalws_workspaces import per_principal
 
-from greenroom.actors.gateway import Gateway, SessionDefaults
 from greenroom.actors.gateway.config import CLIENT_ID, principal_workspace_root
-from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text
-from greenroom.actors.runtime.host import Host
 
 LOWER = "lower-token-0123456789"
 UPPER = "upper-token-0123456789"
@@ -60,38 +56,12 @@ def test_principal_roots_of_ids_differing_by_case_are_distinct_directories(
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(root.name for root in roots)
 
 
-@asynccontextmanager
-async def per_principal(root: Path, data: Path) -> AsyncIterator[Server]:
-    made: list[ScriptedProvider] = []
-
-    def factory() -> ScriptedProvider:
-        made.append(ScriptedProvider([Reply(blocks=(text("hi"),))]))
-        return made[-1]
-
-    async with Host.open(data) as host, trio.open_nursery() as nursery:
-        gateway = Gateway(
-            host,
-            tokens=TOKENS,
-            listen_host="127.0.0.1",
-            port=0,
-            defaults=SessionDefaults(
-                provider_factory=factory,
-                workspace_dir=root,
-                workspace_root=root,
-                workspace_per_principal=True,
-            ),
-        )
-        await nursery.start(gateway.run)
-        yield Server(host=host, gateway=gateway, providers=made)
-        nursery.cancel_scope.cancel()
-
-
 async def test_two_principals_differing_by_case_get_workspaces_apart(tmp_path: Path) -> None:
     root = tmp_path / "root"
     root.mkdir()
     workspaces: dict[str, Any] = {}
     with trio.fail_after(BOUND_S):
-        async with per_principal(root, tmp_path / "data") as server:
+        async with per_principal(root, tmp_path / "data", tokens=TOKENS) as server:
             for principal, token in TOKENS.items():
                 async with connect(server, token=token) as client:
                     sid = (await client.result("session.create"))["session_id"]

@@ -48,6 +48,7 @@ from tests.support.mock_model_server import (
     error_fixture,
     open_mock_server,
 )
+from tests.support.raw_http import read_request
 from tests.support.tls import self_signed
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -420,13 +421,7 @@ async def _serve_raw(
     while True:
         stream = await listener.accept()
         with contextlib.suppress(trio.BrokenResourceError):
-            data = b""
-            while b"\r\n\r\n" not in data:
-                data += await stream.receive_some(65536)
-            head, _, body = data.partition(b"\r\n\r\n")
-            length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
-            while len(body) < length:
-                body += await stream.receive_some(65536)
+            head = await read_request(stream)
             seen.append(head)
             await stream.send_all(answer(head))
         await stream.aclose()

@@ -13,7 +13,14 @@ from google.protobuf import struct_pb2
 from google.protobuf.json_format import ParseDict
 from test_gateway import serving
 from test_gateway_a2a import BOUND_S, collect, state_of
-from test_protofix_a2a import order, order_script, said, with_the_sdk
+from test_protofix_a2a import (
+    order,
+    order_allowed,
+    order_script,
+    said,
+    user_data_parts,
+    with_the_sdk,
+)
 
 from greenroom.actors.gateway.hubs import replay_records
 from greenroom.protocols.outputs import ApprovalDecision, ToolCallOutput
@@ -39,10 +46,7 @@ async def test_a_running_calls_question_is_declined_by_a_decision_data_part(
     its end. A text ``deny`` beside it is not read as the answer."""
 
     async def work(client: Any) -> Any:
-        first = await collect(client.send_message(said("buy a shirt", "m-buy")))
-        task = first[0].task
-        ids = {"task_id": task.id, "context_id": task.context_id}
-        asked = await collect(client.send_message(said("allow", "m-allow", **ids)))
+        task, ids, asked = await order_allowed(client)
         answered = await collect(client.send_message(declined("m-no", "deny", **ids)))
         return task, asked, answered, await client.get_task(GetTaskRequest(id=task.id))
 
@@ -57,13 +61,7 @@ async def test_a_running_calls_question_is_declined_by_a_decision_data_part(
     assert result.content[0].text == "ordered None (decline)"  # type: ignore[union-attr]
     decided = [(r.decision, r.by) for r in records if isinstance(r, ApprovalDecision)]
     assert decided[-1] == ("deny", "client")
-    replies = [
-        dict(p.data.struct_value)
-        for m in got.history
-        if m.role == Role.ROLE_USER
-        for p in m.parts
-        if p.HasField("data")
-    ]
+    replies = user_data_parts(got)
     assert replies[-1] == {"call_id": "c1", "question": "declined"}
 
 
@@ -72,10 +70,7 @@ async def test_a_question_s_text_deny_is_its_answer(tmp_path: Path) -> None:
     here not one of its choices, so the send is refused and the question still waits."""
 
     async def work(client: Any) -> Any:
-        first = await collect(client.send_message(said("buy a shirt", "m-buy")))
-        task = first[0].task
-        ids = {"task_id": task.id, "context_id": task.context_id}
-        await collect(client.send_message(said("allow", "m-allow", **ids)))
+        _, ids, _ = await order_allowed(client)
         try:
             await collect(client.send_message(said("deny", "m-deny", **ids)))
         except Exception as exc:  # the SDK raises the JSON-RPC error it was answered

@@ -5,6 +5,8 @@ and a write the editor was asked for is not given up on while its call runs."""
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +80,18 @@ def write_script() -> ScriptedProvider:
     )
 
 
+@asynccontextmanager
+async def writing_agent(tmp_path: Path) -> AsyncIterator[tuple[ScriptedProvider, Path, Client]]:
+    """The agent on :func:`write_script` with the built-in tools: its model, the
+    workspace (``tmp_path / "ws"``, made) and the editor's client."""
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    provider = write_script()
+    config = AcpConfig(provider=provider, tools=builtin_tools())
+    async with agent_on(tmp_path / "data", config) as (_, client):
+        yield provider, workspace, client
+
+
 async def asked_to_write(client: Client) -> dict[str, Any]:
     """Read up to the agent's ``fs/write_text_file`` request (allowing the call first)."""
     while True:
@@ -88,6 +102,25 @@ async def asked_to_write(client: Client) -> dict[str, Any]:
             return frame
 
 
+async def write_kept_waiting(
+    client: Client, workspace: Path, mock_clock: trio.testing.MockClock
+) -> tuple[str, int, dict[str, Any]]:
+    """Initialize with writes, open a session in ``workspace``, prompt it to write notes
+    and read up to the agent's write request, which the editor then leaves unanswered for
+    twice the editor's timeout: the session's id, the prompt's request id (not yet
+    answered) and the write request."""
+    await client.call("initialize", WRITES)
+    created = await client.call("session/new", {"cwd": str(workspace), "mcpServers": []})
+    sid = created["result"]["sessionId"]
+    prompt = [{"type": "text", "text": "write notes"}]
+    prompted = await client.send("session/prompt", {"sessionId": sid, "prompt": prompt})
+    asked = await asked_to_write(client)
+    await trio.testing.wait_all_tasks_blocked()
+    mock_clock.jump(EDITOR_TIMEOUT_S * 2)  # the editor takes its time
+    await trio.testing.wait_all_tasks_blocked()
+    return sid, prompted, asked
+
+
 async def test_a_write_the_editor_answers_late_is_the_write_it_did(
     tmp_path: Path, mock_clock: trio.testing.MockClock
 ) -> None:
@@ -96,20 +129,8 @@ async def test_a_write_the_editor_answers_late_is_the_write_it_did(
     60 s and told the model ``the editor could not write it``, so the model wrote again,
     or told the person it had failed. A write that was sent now waits for the editor's
     answer as long as its call runs: the model reads what the editor did."""
-    workspace = tmp_path / "ws"
-    workspace.mkdir()
-    provider = write_script()
-    config = AcpConfig(provider=provider, tools=builtin_tools())
-    async with agent_on(tmp_path / "data", config) as (_, client):
-        await client.call("initialize", WRITES)
-        created = await client.call("session/new", {"cwd": str(workspace), "mcpServers": []})
-        sid = created["result"]["sessionId"]
-        prompt = [{"type": "text", "text": "write notes"}]
-        prompted = await client.send("session/prompt", {"sessionId": sid, "prompt": prompt})
-        asked = await asked_to_write(client)
-        await trio.testing.wait_all_tasks_blocked()
-        mock_clock.jump(EDITOR_TIMEOUT_S * 2)  # the editor takes its time
-        await trio.testing.wait_all_tasks_blocked()
+    async with writing_agent(tmp_path) as (provider, workspace, client):
+        _, prompted, asked = await write_kept_waiting(client, workspace, mock_clock)
         (workspace / "notes.txt").write_text(asked["params"]["content"], encoding="utf-8")
         await client._write({"jsonrpc": "2.0", "id": asked["id"], "result": {}})
         answer = await client.answer_of(prompted)
@@ -132,20 +153,8 @@ async def test_a_write_the_editor_never_answers_ends_with_the_interrupt(
     the prompt (``session/cancel``): the prompt is answered ``cancelled`` and the call is
     interrupted, not failed. Before, the write failed at 60 s and the task went on, the
     model told the write had failed."""
-    workspace = tmp_path / "ws"
-    workspace.mkdir()
-    provider = write_script()
-    config = AcpConfig(provider=provider, tools=builtin_tools())
-    async with agent_on(tmp_path / "data", config) as (_, client):
-        await client.call("initialize", WRITES)
-        created = await client.call("session/new", {"cwd": str(workspace), "mcpServers": []})
-        sid = created["result"]["sessionId"]
-        prompt = [{"type": "text", "text": "write notes"}]
-        prompted = await client.send("session/prompt", {"sessionId": sid, "prompt": prompt})
-        await asked_to_write(client)
-        await trio.testing.wait_all_tasks_blocked()
-        mock_clock.jump(EDITOR_TIMEOUT_S * 2)
-        await trio.testing.wait_all_tasks_blocked()
+    async with writing_agent(tmp_path) as (provider, workspace, client):
+        sid, prompted, _ = await write_kept_waiting(client, workspace, mock_clock)
         await client._write(
             {"jsonrpc": "2.0", "method": "session/cancel", "params": {"sessionId": sid}}
         )

@@ -29,9 +29,12 @@ TOKENS = {"alice": ALICE, "bob": BOB}
 
 
 @asynccontextmanager
-async def per_principal(root: Path, data: Path, **gateway_options: Any) -> AsyncIterator[Server]:
-    """A host (data dir ``data``) and its gateway for alice and bob, confined each to its
-    own directory under ``root``; every session's model answers "hi"."""
+async def per_principal(
+    root: Path, data: Path, *, tokens: dict[str, str] = TOKENS, **gateway_options: Any
+) -> AsyncIterator[Server]:
+    """A host (data dir ``data``) and its gateway for the principals of ``tokens`` (alice
+    and bob unless told), confined each to its own directory under ``root``; every
+    session's model answers "hi"."""
     made: list[ScriptedProvider] = []
 
     def factory() -> ScriptedProvider:
@@ -41,7 +44,7 @@ async def per_principal(root: Path, data: Path, **gateway_options: Any) -> Async
     async with Host.open(data) as host, trio.open_nursery() as nursery:
         gateway = Gateway(
             host,
-            tokens=TOKENS,
+            tokens=tokens,
             listen_host="127.0.0.1",
             port=0,
             defaults=SessionDefaults(

@@ -67,6 +67,27 @@ def order_script() -> list[ScriptStep]:
     return [Reply(blocks=(tool_call("c1", "order"),)), Reply(blocks=(text("Ordered."),))]
 
 
+async def order_allowed(client: Any) -> tuple[Any, dict[str, str], list[Any]]:
+    """Through the SDK's ``client``: ask to buy a shirt, then allow the order's call. The
+    task, the ids the task's next messages carry, and what the allowing send returned."""
+    first = await collect(client.send_message(said("buy a shirt", "m-buy")))
+    task = first[0].task
+    ids = {"task_id": task.id, "context_id": task.context_id}
+    approved = await collect(client.send_message(said("allow", "m-allow", **ids)))
+    return task, ids, approved
+
+
+def user_data_parts(task: Any) -> list[dict[str, Any]]:
+    """The data parts of the user's messages in ``task``'s history, in order."""
+    return [
+        dict(p.data.struct_value)
+        for m in task.history
+        if m.role == Role.ROLE_USER
+        for p in m.parts
+        if p.HasField("data")
+    ]
+
+
 async def test_a_question_a_running_call_asks_shows_as_that_question(tmp_path: Path) -> None:
     """R-PROTO-1, R-HITL-5: a call is approved, then asks while it runs which size (an
     MCP elicitation). Its question had the message id of the approval before it (a
@@ -78,10 +99,7 @@ async def test_a_question_a_running_call_asks_shows_as_that_question(tmp_path: P
     follows the task to its end."""
 
     async def work(client: Any) -> Any:
-        first = await collect(client.send_message(said("buy a shirt", "m-buy")))
-        task = first[0].task
-        ids = {"task_id": task.id, "context_id": task.context_id}
-        approved = await collect(client.send_message(said("allow", "m-allow", **ids)))
+        task, ids, approved = await order_allowed(client)
         answered = await collect(client.send_message(said("M", "m-size", **ids)))
         return approved, answered, await client.get_task(GetTaskRequest(id=task.id))
 
@@ -102,13 +120,7 @@ async def test_a_question_a_running_call_asks_shows_as_that_question(tmp_path: P
         "Approve the call order({})",
         "Which size",
     ]
-    replies = [
-        dict(p.data.struct_value)
-        for m in got.history
-        if m.role == Role.ROLE_USER
-        for p in m.parts
-        if p.HasField("data")
-    ]
+    replies = user_data_parts(got)
     assert replies == [
         {"call_id": "c1", "decision": "allow"},
         {"call_id": "c1", "question": "answered"},

@@ -4,7 +4,6 @@ console's page reached by that name, as a name given before it served does. Real
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
@@ -12,8 +11,8 @@ import trio
 from test_g14_host_header import bearer, rejected, websocket
 from test_gateway import BOUND_S, Client
 
-from greenroom.actors.gateway import SessionDefaults, run_serve
 from greenroom.actors.gateway.server import Gateway
+from tests.support.serve_console import serve_console
 
 
 async def test_r15_a_host_allowed_after_the_console_serves_admits_its_origin(
@@ -25,26 +24,9 @@ async def test_r15_a_host_allowed_after_the_console_serves_admits_its_origin(
     gateways: list[Gateway] = []
     with trio.fail_after(BOUND_S):
         async with trio.open_nursery() as nursery:
-            ready = trio.Event()
-            nursery.start_soon(
-                lambda: run_serve(
-                    host="127.0.0.1",
-                    port=0,
-                    data_dir=tmp_path / "data",
-                    defaults=SessionDefaults(provider="scripted", workspace_dir=tmp_path / "ws"),
-                    ready=lambda port: ready.set(),
-                    console_port=0,
-                    on_gateway=gateways.append,
-                )
+            gateway, console, token = await serve_console(
+                tmp_path, capsys, nursery, on_gateway=gateways.append
             )
-            await ready.wait()
-            err = capsys.readouterr().err
-            found = re.search(
-                r"console: http://127\.0\.0\.1:(\d+)/\?ws=ws://127\.0\.0\.1:(\d+)/v1#token=(\S+)",
-                err,
-            )
-            assert found, err
-            console, gateway, token = int(found.group(1)), int(found.group(2)), found.group(3)
             other = [(b"Origin", f"http://late.test:{console + 1}".encode())]
             gateways[0].allow_host("Late.Test.")
             origin = [(b"Origin", f"http://late.test:{console}".encode())]

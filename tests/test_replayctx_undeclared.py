@@ -10,8 +10,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from conftest import allow_all, collect, trace_lines
+from conftest import trace_lines
 from test_m14_mcp_questions import ARGUMENTS_SERVER, stdio
+from test_ttfix_replay_ctx_argument import recorded_call
 
 from greenroom.actors.apps.replay import replay_session
 from greenroom.actors.providers.scripted import Reply, text, tool_call
@@ -32,17 +33,8 @@ async def test_a_replay_passes_an_undeclared_ctx_argument_as_the_model_gave_it(
     script = tmp_path / "arguments_server.py"
     script.write_text(ARGUMENTS_SERVER, encoding="utf-8")
     servers = {"t": stdio(script)}
-    source = await host.create_session(
-        provider=providers(
-            [
-                Reply(blocks=(tool_call("c1", "mcp__t__undeclared", text="a", ctx="home"),)),
-                Reply(blocks=(text("noted"),)),
-            ]
-        ),
-        workspace_dir=workspace,
-        mcp_servers=servers,
-    )
-    await collect(source.run("say what arrives", approve=allow_all))
+    call = tool_call("c1", "mcp__t__undeclared", text="a", ctx="home")
+    source = await recorded_call(host, workspace, servers, providers, call, "say what arrives")
     recorded = output_of(trace_lines(source), "c1")
     assert recorded["arguments"] == {"text": "a", "ctx": "home"}
     replay = providers(

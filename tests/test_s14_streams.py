@@ -15,7 +15,6 @@ server the same way (R-SEC-1, R-SEC-10), each against a real loopback server:
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -23,13 +22,8 @@ from typing import Any
 import pytest
 import trio
 
-from greenroom.actors.providers.anthropic import AnthropicProvider
 from greenroom.actors.providers.lean_http import ConnectionPool, Timeouts, parse_url
 from greenroom.actors.providers.lean_wire import MAX_REDIRECTS
-from greenroom.actors.providers.openai import OpenAIProvider
-from greenroom.actors.providers.openai_responses import OpenAIResponsesProvider
-from greenroom.protocols.content import TextBlock
-from greenroom.protocols.context import ModelRequest, UserMessage
 from greenroom.protocols.stream import MessageCompleted, StreamEvent, StreamFailed
 from tests.support.mock_model_server import (
     ErrorReply,
@@ -41,6 +35,9 @@ from tests.support.mock_model_server import (
     render_anthropic,
     render_openai,
 )
+from tests.support.raw_http import serve_answer as _serve
+from tests.test_codecfix_stream import one_stream as one_attempt
+from tests.test_codecfix_stream import provider_for
 
 BOUND_S = 20.0
 """Bound on every wait: a hang fails the test instead of the suite."""
@@ -49,33 +46,27 @@ PATHS = (True, False)
 """``lean_http`` of the two paths."""
 
 
-def request() -> ModelRequest:
-    hello = UserMessage(content=(TextBlock(text="hi"),))
-    return ModelRequest(model="m", system=None, tools=(), messages=(hello,), max_tokens=64)
-
-
-def provider_for(wire: str, base_url: str, *, lean: bool) -> Any:
-    if wire == "anthropic":
-        return AnthropicProvider(base_url=base_url, api_key="k", lean_http=lean)
-    if wire == "openai-responses":
-        return OpenAIResponsesProvider(base_url=base_url + "/v1", api_key="k", lean_http=lean)
-    return OpenAIProvider(base_url=base_url + "/v1", api_key="k", lean_http=lean)
-
-
 async def one_stream(provider: Any) -> list[StreamEvent]:
-    """One attempt's events; an exception out of ``stream`` fails the test as such."""
-    events: list[StreamEvent] = []
-
-    async def deliver(batch: list[StreamEvent]) -> None:
-        events.extend(batch)
-
+    """One attempt's events on one of the two paths; an exception out of ``stream`` fails
+    the test as such."""
     assert provider.lean_http in PATHS
-    try:
-        with trio.fail_after(BOUND_S):
-            await provider.open_task().stream(request(), deliver)
-    finally:
-        await provider.aclose()
-    return events
+    return await one_attempt(provider)
+
+
+async def answered_by(wire: str, answer: Any, lean: bool) -> list[StreamEvent]:
+    """One attempt's events on the ``lean`` path, against a mock server whose one
+    response is ``answer``."""
+    async with open_mock_server(answer) as server:
+        return await one_stream(provider_for(wire, server.base_url, lean=lean))
+
+
+async def lone_failure(answer: ErrorReply, lean: bool) -> tuple[list[StreamEvent], StreamFailed]:
+    """The events of one OpenAI attempt on the ``lean`` path answered by ``answer``, which
+    are one failure alone, and that failure."""
+    events = await answered_by("openai", answer, lean)
+    [failure] = events
+    assert isinstance(failure, StreamFailed)
+    return events, failure
 
 
 def text_of(events: list[StreamEvent]) -> str:
@@ -153,10 +144,7 @@ async def test_a_redirect_to_no_http_url_fails_alike() -> None:
     results = {}
     for lean in PATHS:
         redirect = ErrorReply(307, b"", {"location": "ftp://127.0.0.1/v1/chat/completions"})
-        async with open_mock_server(redirect) as server:
-            events = await one_stream(provider_for("openai", server.base_url, lean=lean))
-        [failure] = events
-        assert isinstance(failure, StreamFailed)
+        events, failure = await lone_failure(redirect, lean)
         assert failure.error.kind == "timeout"
         assert failure.error.message.startswith("unsupported URL scheme"), failure.error.message
         results[lean] = events
@@ -196,25 +184,6 @@ REFUSED_HEADS: dict[str, bytes] = {
         b"HTTP/1.1 200 OK\r\n" + TYPE + b"\r\nx-note: a\rb\r\n" + CHUNKED + b"\r\n\r\n"
     ),
 }
-
-
-async def _serve(
-    listener: trio.SocketListener, answer: bytes, task_status: Any = trio.TASK_STATUS_IGNORED
-) -> None:
-    """Answer each request on ``listener`` with ``answer``, then close the connection."""
-    task_status.started()
-    while True:
-        stream = await listener.accept()
-        with contextlib.suppress(trio.BrokenResourceError):
-            data = b""
-            while b"\r\n\r\n" not in data:
-                data += await stream.receive_some(65536)
-            head, _, body = data.partition(b"\r\n\r\n")
-            length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
-            while len(body) < length:
-                body += await stream.receive_some(65536)
-            await stream.send_all(answer)
-        await stream.aclose()
 
 
 async def both_paths(wire: str, answer: bytes) -> dict[bool, list[StreamEvent]]:
@@ -323,8 +292,7 @@ async def test_a_body_in_an_encoding_greenroom_does_not_read_is_named_on_both_pa
             headers=[("content-type", "text/event-stream"), ("content-encoding", encoding)],
             paced=False,
         )
-        async with open_mock_server(answer) as server:
-            events = await one_stream(provider_for(wire, server.base_url, lean=lean))
+        events = await answered_by(wire, answer, lean)
         failed = [event for event in events if isinstance(event, StreamFailed)]
         assert len(failed) == 1, (lean, events)
         assert f"content-encoding {encoding!r}" in failed[0].error.message, (lean, failed)
@@ -339,10 +307,7 @@ async def test_an_error_body_in_an_encoding_greenroom_does_not_read_is_named_ali
     results = {}
     for lean in PATHS:
         answer = ErrorReply(500, b"\x8b\x02\x80", {"content-encoding": "br"})
-        async with open_mock_server(answer) as server:
-            events = await one_stream(provider_for("openai", server.base_url, lean=lean))
-        [failure] = events
-        assert isinstance(failure, StreamFailed)
+        events, failure = await lone_failure(answer, lean)
         assert "content-encoding 'br'" in failure.error.message, (lean, failure.error)
         results[lean] = events
     assert results[True] == results[False]

@@ -45,6 +45,7 @@ from tests.support.mock_model_server import (
     render_openai,
     render_responses_reply,
 )
+from tests.support.raw_http import read_request
 
 READ_TIMEOUT = 10.0
 TRICKLE_EVERY_S = 2.0
@@ -109,16 +110,6 @@ WARM_UP = (
 )
 
 
-async def _read_request(stream: trio.SocketStream) -> None:
-    data = b""
-    while b"\r\n\r\n" not in data:
-        data += await stream.receive_some(65536)
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
-    while len(body) < length:
-        body += await stream.receive_some(65536)
-
-
 async def _warm_then_trickle(
     listener: trio.SocketListener, prefix: bytes, task_status: Any = trio.TASK_STATUS_IGNORED
 ) -> None:
@@ -127,12 +118,12 @@ async def _warm_then_trickle(
     task_status.started()
     first = await listener.accept()
     with contextlib.suppress(trio.BrokenResourceError):
-        await _read_request(first)
+        await read_request(first)
         await first.send_all(WARM_UP)
     await first.aclose()
     stream = await listener.accept()
     with contextlib.suppress(trio.BrokenResourceError):
-        await _read_request(stream)
+        await read_request(stream)
         await stream.send_all(prefix)
         while True:
             await trio.sleep(TRICKLE_EVERY_S)

@@ -9,8 +9,15 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from tests.test_acp import run, text
-from tests.test_acp_tree import meta, shown, tree_agent
+from tests.test_acp import run
+from tests.test_acp_tree import (
+    meta,
+    prompt_research,
+    shown,
+    subagent_closed,
+    subagent_opened,
+    tree_agent,
+)
 
 
 def test_a_cancel_of_an_idle_session_leaves_its_background_child_running(
@@ -22,14 +29,8 @@ def test_a_cancel_of_an_idle_session_leaves_its_background_child_running(
     async def scenario() -> None:
         async with tree_agent(tmp_path) as agent:
             editor = agent.editor
-            await agent.conn.initialize(protocol_version=1)
-            created = await agent.conn.new_session(cwd=str(workspace), mcp_servers=[])
-            sid = created.session_id
-            answer = await agent.conn.prompt(session_id=sid, prompt=text("research"))
-            assert answer.stop_reason == "end_turn"
-            opened = await editor.wait_for(
-                lambda u: u.session_update == "tool_call" and u.tool_call_id.startswith("subagent:")
-            )
+            sid = await prompt_research(agent, workspace)
+            opened = await subagent_opened(editor)
             node = meta(opened)["nodeId"]
             await editor.wait_for(
                 lambda u: u.session_update == "tool_call_update" and "hold" in shown(u)
@@ -41,13 +42,7 @@ def test_a_cancel_of_an_idle_session_leaves_its_background_child_running(
             )
             assert queued == {"queued": True}
             await asyncio.to_thread((tmp_path / "hold").write_text, "go\n")
-            closed = await editor.wait_for(
-                lambda u: (
-                    u.session_update == "tool_call_update"
-                    and u.tool_call_id == opened.tool_call_id
-                    and u.status in ("completed", "failed")
-                )
-            )
+            closed = await subagent_closed(editor, opened)
             assert closed.status == "completed", shown(closed)
             while "Merged: [subagent scout finished] Scout report:" not in editor.text():
                 editor.changed.clear()

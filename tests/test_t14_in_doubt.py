@@ -9,11 +9,17 @@ from pathlib import Path
 from typing import Any
 
 import trio
-from conftest import RUN_TIMEOUT_S, allow_all, open_host, trace_lines
-from test_effects import Payments, crash_mid_call, of, take_up
+from conftest import RUN_TIMEOUT_S, open_host, trace_lines
+from test_effects import (
+    Payments,
+    assert_noted_and_aborted,
+    crash_mid_call,
+    resolved_by_the_note,
+    take_up,
+    take_up_interrupted_in_check,
+)
 
 from greenroom.actors.runtime.host import Host
-from greenroom.protocols import markers
 from greenroom.protocols.people import PEOPLE
 
 
@@ -23,25 +29,15 @@ async def test_an_interrupt_while_the_check_fails_records_its_error(
     """The user interrupts while the check runs, and the check then fails: the call gets
     the note, recorded with the check's error."""
     sid, crashed, key = await crash_mid_call(host, workspace, tmp_path, providers)
-    opened: dict[str, Host] = {}
 
-    async def find(asked: str) -> None:
-        payments.asked.append(asked)
-        opened["host"].get_session(sid).interrupt()  # the user interrupts meanwhile
+    def unreachable() -> None:
         raise ConnectionError("the payment ledger is unreachable")
 
-    payments = Payments(check=find)
-    async with open_host(crashed) as second:
-        opened["host"] = second
-        session = await take_up(second, sid, providers([]), payments.tool, allow_all)
-        lines = trace_lines(session)
+    payments, lines = await take_up_interrupted_in_check(crashed, sid, providers, unreachable)
     assert payments.asked == [key] and payments.runs == []
-    (resolved,) = of(lines, "call_resolved")
-    assert (resolved["by"], resolved["outcome"]) == ("note", "unknown")
+    resolved = resolved_by_the_note(lines)
     assert "the payment ledger is unreachable" in (resolved.get("check_error") or "")
-    (result,) = of(lines, "tool_call_output")
-    assert result["content"][0]["text"] == markers.HOST_LOST_TEXT
-    assert lines[-1]["type"] == "task_end" and lines[-1]["status"] == "aborted"
+    assert_noted_and_aborted(lines)
 
 
 async def test_an_interrupt_while_a_person_is_asked_after_a_failed_check_keeps_its_error(
@@ -64,7 +60,6 @@ async def test_an_interrupt_while_a_person_is_asked_after_a_failed_check_keeps_i
             await session.wait_idle()
         lines = trace_lines(session)
     assert payments.runs == []
-    (resolved,) = of(lines, "call_resolved")
-    assert (resolved["by"], resolved["outcome"]) == ("note", "unknown")
+    resolved = resolved_by_the_note(lines)
     assert "the payment ledger is unreachable" in (resolved.get("check_error") or "")
     assert lines[-1]["type"] == "task_end" and lines[-1]["status"] == "aborted"

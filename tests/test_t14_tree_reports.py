@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 import trio
-import trio.testing
 from conftest import RUN_TIMEOUT_S, allow_all, open_host
 from test_drain import SlowTool
+from test_effectfix_drain import drain_releasing
 from test_tree_takeup import _reports, _results, _until_task_end
 
 from greenroom.actors.providers import scripted_brain
@@ -90,15 +90,7 @@ async def test_a_taken_up_child_reports_its_follow_ups_answer(
         scout = await _scout_with_a_follow_up(host, root, slow)
         with trio.fail_after(RUN_TIMEOUT_S):
             await root.wait_idle()
-            async with trio.open_nursery() as nursery:
-                held: list[str] = []
-
-                async def drain() -> None:
-                    held.extend(await host.drain(grace_s=math.inf))
-
-                nursery.start_soon(drain)
-                await trio.testing.wait_all_tasks_blocked()
-                slow.release.set()
+            held = await drain_releasing(host, slow)
         assert held == [scout.id]
 
     # The host loads the taken-up sessions with the provider their session.json names.

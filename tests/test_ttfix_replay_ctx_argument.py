@@ -14,6 +14,8 @@ from conftest import allow_all, collect, trace_lines
 from greenroom.actors.apps.replay import denied_note, replay_session
 from greenroom.actors.providers.scripted import Reply, text, tool_call
 from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.session import Session
+from greenroom.protocols.content import ToolCallBlock
 
 SERVER = textwrap.dedent(
     '''
@@ -50,6 +52,25 @@ def output_text(lines: list[dict[str, Any]], call_id: str) -> str:
     return str(line["content"][0]["text"])
 
 
+async def recorded_call(
+    host: Host,
+    workspace: Path,
+    servers: dict[str, Any],
+    providers: Any,
+    call: ToolCallBlock,
+    task: str,
+) -> Session:
+    """A session on the MCP ``servers`` that ran ``task`` to its end, its model making
+    ``call`` and then saying "noted": the source of a replay."""
+    source = await host.create_session(
+        provider=providers([Reply(blocks=(call,)), Reply(blocks=(text("noted"),))]),
+        workspace_dir=workspace,
+        mcp_servers=servers,
+    )
+    await collect(source.run(task, approve=allow_all))
+    return source
+
+
 async def test_an_mcp_tools_ctx_argument_passes_through_a_replay(
     host: Host, workspace: Path, tmp_path: Path, providers: Any
 ) -> None:
@@ -62,17 +83,8 @@ async def test_an_mcp_tools_ctx_argument_passes_through_a_replay(
     script = tmp_path / "ctx_server.py"
     script.write_text(SERVER, encoding="utf-8")
     servers = {"t": {"command": sys.executable, "args": [str(script)]}}
-    source = await host.create_session(
-        provider=providers(
-            [
-                Reply(blocks=(tool_call("c1", "mcp__t__note", ctx="home", text="a"),)),
-                Reply(blocks=(text("noted"),)),
-            ]
-        ),
-        workspace_dir=workspace,
-        mcp_servers=servers,
-    )
-    await collect(source.run("note a at home", approve=allow_all))
+    call = tool_call("c1", "mcp__t__note", ctx="home", text="a")
+    source = await recorded_call(host, workspace, servers, providers, call, "note a at home")
     assert output_text(trace_lines(source), "c1") == "noted a in home"
     replay = providers(
         [
