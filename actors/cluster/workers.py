@@ -56,6 +56,7 @@ from greenroom.actors.cluster.serve import default_host_id
 from greenroom.actors.cluster.server import NatsServerMissing, start_nats_server
 from greenroom.actors.gateway.config import load_or_create_token, token_file_path
 from greenroom.actors.gateway.console import console_url
+from greenroom.actors.tools.shell_launcher import process_stats
 
 __all__ = [
     "WorkersConfig",
@@ -550,24 +551,11 @@ def _end_session(leader: int) -> None:
     the JetStream store. Linux (``/proc``) only: elsewhere nothing is done. Linux gives no
     new process the number of a session that still has a member, so every process found
     is of this one."""
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return
-    groups: set[int] = set()
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as stat:
-                data = stat.read()
-        except OSError:
-            continue  # gone since the listing
-        # After the command name, which may hold spaces and parentheses: state, parent,
-        # process group, session.
-        fields = data[data.rfind(b")") + 2 :].split()
-        if len(fields) > 3 and int(fields[3]) == leader:
-            groups.add(int(fields[2]))
+    groups = {
+        int(fields[2])
+        for _, fields in process_stats()
+        if len(fields) > 3 and int(fields[3]) == leader
+    }
     for group in groups:
         with contextlib.suppress(OSError):  # ended since
             os.killpg(group, signal.SIGKILL)

@@ -68,9 +68,10 @@ def _become_subreaper() -> None:
         pass
 
 
-def _children(me: int) -> list[int]:
-    """The launcher's children, from ``/proc`` (empty where there is none)."""
-    found: list[int] = []
+def process_stats() -> list[tuple[int, list[bytes]]]:
+    """Every process's id and the fields of its ``/proc/PID/stat`` after the command name
+    (state, parent, process group, session, …); empty where there is no ``/proc``."""
+    found: list[tuple[int, list[bytes]]] = []
     try:
         names = os.listdir("/proc")
     except OSError:
@@ -84,10 +85,13 @@ def _children(me: int) -> list[int]:
         except OSError:
             continue  # gone since the listing
         # The command name (field 2) may hold spaces and parentheses: parse after its end.
-        fields = data[data.rfind(b")") + 2 :].split()
-        if len(fields) > 1 and int(fields[1]) == me:
-            found.append(int(name))
+        found.append((int(name), data[data.rfind(b")") + 2 :].split()))
     return found
+
+
+def _children(me: int) -> list[int]:
+    """The launcher's children, from ``/proc`` (empty where there is none)."""
+    return [pid for pid, fields in process_stats() if len(fields) > 1 and int(fields[1]) == me]
 
 
 def end_all(group: int) -> None:
