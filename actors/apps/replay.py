@@ -133,10 +133,11 @@ async def replay_session(
     if not await host.trace_store.catalog.exists(source_id):
         raise SessionNotFound(f"no session {source_id!r} in {host.data_dir}")
     source_meta = await host.trace_store.catalog.read_meta(source_id)
-    store = host.trace_store
+    # A cluster's store keeps its traces in a file store of its own (``files``).
+    store = getattr(host.trace_store, "files", host.trace_store)
     if isinstance(store, FileTraceStore):
-        # The log skips a trace file it cannot read (and waits on a FIFO for ever): said
-        # here, not as a session with no recorded prompt.
+        # The log skips a trace file it cannot read: said here, not as a session with no
+        # recorded prompt.
         directory = store.paths.session_dir(source_id)
         problem = await trio.to_thread.run_sync(unreadable_trace, directory)
         if problem is not None:

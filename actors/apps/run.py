@@ -551,9 +551,10 @@ def report_shell_confinement(options: RunOptions) -> None:
 
 def _stored_settings(data_dir: Path, session_id: str) -> dict[str, Any]:
     """The stored settings of a session, or {} when it cannot be read (the host then
-    reports the missing session properly)."""
+    reports the missing session properly, and one that is not a regular file as such)."""
     try:
-        meta = json.loads(SessionStore(data_dir).meta_path(session_id).read_text("utf-8"))
+        path = SessionStore(data_dir).meta_path(session_id)
+        meta = json.loads(read_regular_file(path, max_bytes=None).decode("utf-8"))
     except (OSError, ValueError):
         return {}
     settings = meta.get("settings") if isinstance(meta, dict) else None

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from pathlib import Path
 
 __all__ = ["DISK", "PRIVATE_DIR_MODE", "PRIVATE_FILE_MODE", "Disk"]
@@ -128,8 +129,36 @@ class Disk:
         return True
 
     def read(self, path: Path) -> bytes:
-        """The content of the file ``path``."""
-        return path.read_bytes()
+        """The content of the regular file ``path``, of any size (the backend wrote it). One
+        that is not a regular file is an OSError naming it and what it is, refused before a
+        byte is read (R-SEC-1): a FIFO would be waited on for ever, a link to /dev/zero read
+        for ever; a directory is an IsADirectoryError, as reading it always was."""
+        where = str(path)
+        problem = _not_regular(os.stat(path).st_mode, where)
+        if problem is not None:  # refused unopened: opening a device may act on it
+            raise problem
+        # O_NONBLOCK: a FIFO put in its place since the stat is not waited on when opened.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with open(fd, "rb") as file:
+            problem = _not_regular(os.fstat(fd).st_mode, where)  # what was opened
+            if problem is not None:
+                raise problem
+            return file.read()
+
+
+def _not_regular(mode: int, where: str) -> OSError | None:
+    """The error for reading a file of ``mode`` at ``where`` when it is not a regular file."""
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), where)
+    if stat.S_ISFIFO(mode):
+        why = "it is a FIFO (a named pipe), not a regular file"
+    elif stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        why = "it is a device, not a regular file"
+    else:
+        why = "it is not a regular file"
+    return OSError(errno.EINVAL, why, where)
 
 
 DISK = Disk()
