@@ -9,6 +9,7 @@ against this one by a test.
 from __future__ import annotations
 
 import json
+import stat
 
 from greenroom.protocols.outputs import CallInDoubt, CallResolved, DecidedBy, Decision, ToolHook
 
@@ -105,3 +106,14 @@ def clip_words(text: str, limit: int) -> str:
         if space >= limit // 2:
             cut = cut[:space].rstrip()
     return cut.rstrip(" ,;:.-\u2013\u2014") + ELLIPSIS
+
+
+def special_file_words(mode: int) -> str:
+    """What a file of ``mode`` is when it is neither a regular file nor a directory, said
+    to a person refusing it (R-SEC-1: a FIFO would be waited on for ever, a device read for
+    ever): ``it is a FIFO (a named pipe), not a regular file`` and the like."""
+    if stat.S_ISFIFO(mode):
+        return "it is a FIFO (a named pipe), not a regular file"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "it is a device, not a regular file"
+    return "it is not a regular file"

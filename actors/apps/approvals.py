@@ -84,6 +84,7 @@ from greenroom.actors.apps.run import (
     is_default_data_dir,
     mcp_servers,
     prepare_options,
+    read_regular_file,
     report_shell_confinement,
     stdout_for_renderer,
 )
@@ -421,8 +422,9 @@ def _stored_tool_names(data_dir: Path, session_id: str) -> list[str]:
     """The names of the tools ``session.json`` lists; [] when it cannot be read (the host
     reports that properly when it loads the session)."""
     try:
-        meta = json.loads(SessionStore(data_dir).meta_path(session_id).read_text("utf-8"))
-    except (OSError, ValueError):
+        path = SessionStore(data_dir).meta_path(session_id)
+        meta = json.loads(read_regular_file(path, max_bytes=None).decode("utf-8"))
+    except (OSError, ValueError):  # a FIFO too: refused, never waited on
         return []
     names = meta.get("tools") if isinstance(meta, dict) else None
     return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []

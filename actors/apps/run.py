@@ -79,6 +79,7 @@ from greenroom.protocols.outputs import (
 from greenroom.protocols.prices import Price, PriceError, parse_prices
 from greenroom.protocols.structured import OutputSpec, output_spec
 from greenroom.protocols.tools import Tool, json_error_reason
+from greenroom.protocols.wording import special_file_words
 
 
 def data_dir_from(value: str | None) -> Path:
@@ -249,12 +250,8 @@ def flag_file_problem(
     mode = status.st_mode
     if stat.S_ISDIR(mode):
         return os.strerror(errno.EISDIR)
-    if stat.S_ISFIFO(mode):
-        return "it is a FIFO (a named pipe), not a regular file"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "it is a device, not a regular file"
     if not stat.S_ISREG(mode):
-        return "it is not a regular file"
+        return special_file_words(mode)
     if max_bytes is not None and status.st_size > max_bytes:
         return f"it is larger than {mib(max_bytes)}"
     return None

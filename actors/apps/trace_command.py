@@ -7,43 +7,22 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import attrs
 
 from greenroom.actors.apps.exits import EXIT_OK, UsageError, print_error
 from greenroom.actors.apps.parser import is_session_id, not_a_session_id
 from greenroom.actors.apps.render import format_record
-from greenroom.actors.apps.run import data_dir_from, read_regular_file
-from greenroom.actors.runtime import (
-    Disk,
-    FileTraceStore,
-    Host,
-)
+from greenroom.actors.apps.run import data_dir_from
+from greenroom.actors.runtime import FileTraceStore, Host
 from greenroom.protocols.converter import to_json
 
 # -- sessions and trace ---------------------------------------------------------------------
 
 
-class RegularFilesDisk(Disk):
-    """The data dir as ``sessions`` and ``trace`` read it: a ``session.json`` or a trace
-    file that is not a regular file is an OSError naming it and what it is, as one that
-    cannot be read is (R-SEC-1): a FIFO would be waited on for ever, a link to /dev/zero
-    read for ever."""
-
-    def read(self, path: Path) -> bytes:
-        """The content of the regular file ``path``, of any size (greenroom wrote it)."""
-        return read_regular_file(path, max_bytes=None)
-
-
-def reading_store(data_dir: Path) -> FileTraceStore:
-    """The file store of ``data_dir`` reading through :class:`RegularFilesDisk`."""
-    return FileTraceStore(data_dir, disk=RegularFilesDisk())
-
-
 async def sessions_command(args: argparse.Namespace) -> int:
     """``greenroom sessions``: the data dir's sessions, as a table or one JSON object each."""
-    async with Host.open(data_dir=data_dir_from(args.data_dir), trace_store=reading_store) as host:
+    async with Host.open(data_dir=data_dir_from(args.data_dir)) as host:
         scan = await host.scan_sessions()
         data_dir = host.data_dir
     infos = scan.sessions
@@ -84,8 +63,9 @@ async def trace_command(args: argparse.Namespace) -> int:
         raise UsageError(not_a_session_id(session_id))
     data_dir = data_dir_from(args.data_dir)
     # The file store itself, not a host: reading starts no writer, creates nothing and
-    # needs no write permission on the data dir.
-    store = reading_store(data_dir)
+    # needs no write permission on the data dir. (Disk.read refuses what is not a
+    # regular file: a FIFO or /dev/zero is one line, not a hang.)
+    store = FileTraceStore(data_dir)
     if not await store.catalog.exists(session_id):
         raise UsageError(f"no session {session_id!r} in {data_dir}")
     path = store.log.location(session_id)

@@ -26,6 +26,8 @@ import os
 import stat
 from pathlib import Path
 
+from greenroom.protocols.wording import special_file_words
+
 __all__ = ["DISK", "PRIVATE_DIR_MODE", "PRIVATE_FILE_MODE", "Disk"]
 
 PRIVATE_DIR_MODE = 0o700
@@ -152,13 +154,7 @@ def _not_regular(mode: int, where: str) -> OSError | None:
         return None
     if stat.S_ISDIR(mode):
         return IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), where)
-    if stat.S_ISFIFO(mode):
-        why = "it is a FIFO (a named pipe), not a regular file"
-    elif stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        why = "it is a device, not a regular file"
-    else:
-        why = "it is not a regular file"
-    return OSError(errno.EINVAL, why, where)
+    return OSError(errno.EINVAL, special_file_words(mode), where)
 
 
 DISK = Disk()

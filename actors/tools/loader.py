@@ -18,6 +18,7 @@ from pathlib import Path
 from types import ModuleType
 
 from greenroom.protocols.tools import Tool
+from greenroom.protocols.wording import special_file_words
 
 __all__ = ["ToolLoadError", "load_tools"]
 
@@ -84,11 +85,7 @@ def _not_regular(mode: int) -> str:
     """What a file of ``mode`` that is no regular file is, in a few words."""
     if stat.S_ISDIR(mode):
         return "it is a directory, not a file"
-    if stat.S_ISFIFO(mode):
-        return "it is a FIFO (a named pipe), not a regular file"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "it is a device, not a regular file"
-    return "it is not a regular file"
+    return special_file_words(mode)
 
 
 def _import_module(spec: str) -> ModuleType:

@@ -25,6 +25,7 @@ from greenroom.protocols.mcp_config import (
     parse_config_text,
     parse_servers,
 )
+from greenroom.protocols.wording import special_file_words
 
 __all__ = ["EnvFileProblem", "McpConfigError", "as_configs", "load_config_files", "read_env_file"]
 
@@ -68,11 +69,12 @@ def _regular_file_text(path: Path) -> str:
     if stat.S_ISDIR(mode):
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
     if not stat.S_ISREG(mode):  # not opened: opening a device may act on it
-        raise OSError(0, "it is a FIFO or a device, not a regular file")
+        raise OSError(0, special_file_words(mode))
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     with os.fdopen(fd, "rb") as file:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced since
-            raise OSError(0, "it is a FIFO or a device, not a regular file")
+        opened = os.fstat(fd).st_mode
+        if not stat.S_ISREG(opened):  # replaced since
+            raise OSError(0, special_file_words(opened))
         data = file.read(MAX_ENV_FILE_BYTES + 1)
     if len(data) > MAX_ENV_FILE_BYTES:
         raise OSError(0, "it is larger than 1 MiB")
