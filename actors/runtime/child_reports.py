@@ -20,10 +20,12 @@ A foreground child is not taken up: the call that ran it got its host-lost resul
 rest of its parent's task (R-CLUSTER-2), so its answer would reach nobody. Its task stays
 open in its trace, recovered as interrupted when the session is next used (R-TRACE-4).
 
-A report queued in its parent as a follow-up task is not recorded there (``task_queued``,
-R-STEER-6, is for a user's follow-ups): the child's trace is what makes it durable, and a
-child whose task its host had not ended is taken up and reports again; recorded in the
-parent too, it would be delivered twice.
+A report queued in its parent as a follow-up task is not recorded there while the parent
+runs on (``task_queued``, R-STEER-6, is for a user's follow-ups): the child's trace is what
+makes it durable, and a child whose task its host had not ended is taken up and reports
+again; recorded in the parent too, it would be delivered twice. A parent whose host closes
+before it ran a report it took records it then, queued (the child's task has ended: it
+reports no more), so that the close does not lose it (the supervisor's ``_leave_answers``).
 
 While a taken-up child runs here — a supervisor runs it, or its task waits here for
 people (parked) — its parent open here counts it among its running children
@@ -43,7 +45,8 @@ releases any session it closes). A child whose task ended on the
 lost host a moment before that host could send the report sends none: the answer is in
 the child's trace (``session.children()`` finds it), not in the parent's input. So too
 when the host closes before the report is taken (one line logged, no traceback): a
-closing host starts no follow-up in a parent, as for a live child's answer.
+closing host starts no follow-up in a parent, as for a live child's answer — nor in one
+whose load for it ends once the close has begun (the close no longer looks at it).
 """
 
 from __future__ import annotations
@@ -441,6 +444,9 @@ class ChildReports:
         ends (it runs again: loaded here, or taken over in a cluster);
         :class:`~greenroom.actors.runtime.errors.HostClosed` when the host is closed."""
         await self._host.load_session(parent_id)
+        # A load that began before the host's close and ends after it leaves the parent
+        # open where the close no longer looks: nothing would make what it takes durable.
+        self._host.check_open()
         parent = self._host.port(parent_id)
         if parent.children is not None:
             parent.children.let_go(child_id)  # it runs no more: its answer comes now

@@ -20,7 +20,10 @@ as input ``[subagent NAME finished] …`` (:func:`~greenroom.actors.runtime.tree
 steering of the parent's open task, else a follow-up task, run with the approvals of the
 task that spawned it. That input is one record of the parent's trace: where a record has
 a limit (a cluster's NATS server) a longer answer is cut, marked, to fit
-(:func:`finished_text`); the whole answer stays in the child's trace. A subagent's own
+(:func:`finished_text`); the whole answer stays in the child's trace. A parent whose
+host closes before the answer it took has run records it as a queued follow-up
+(``task_queued``) that the next host runs (R-STEER-6); once the host is closed no parent
+takes one (one line logged: the answer stays in the child's trace). A subagent's own
 task does not end while its background children run (it waits for their answers); a
 root's does.
 
@@ -331,13 +334,14 @@ class Subagents:
                 forget_finished(child)
                 # No end: the host closed while the child's task waited for people; the
                 # task is open in its trace, and whoever takes it up reports its answer.
-                # A closing host starts no follow-up in the parent.
-                if (
-                    entry is not None
-                    and not entry.cut
-                    and watch.end is not None
-                    and host.is_open()
-                ):
+                # A closed host starts no follow-up in the parent (its close may have
+                # listed the sessions to close already): the answer stays in the child's
+                # trace, said once unless the close itself ended the child.
+                end = watch.end
+                answered = entry is not None and not entry.cut and end is not None
+                if answered and not host.is_open():
+                    _kept_in_trace(child.id, parent.id, end)
+                elif answered:
                     try:
                         answer = watch.result()
                     except SubagentError as exc:
@@ -356,6 +360,19 @@ class Subagents:
                         await _to_closed_parent(parent, child.id, text, approve)
 
         host.start_task(follow)
+
+
+def _kept_in_trace(child_id: str, parent_id: str, end: TaskEnd | None) -> None:
+    """A background child's answer that its parent does not take: the host is closed (its
+    close may have listed the sessions to close already, so nothing would write the
+    follow-up). Said in one line, unless the close itself ended the child."""
+    if end is not None and end.status != "aborted":
+        logger.warning(
+            "subagent %s finished as its host closed; its answer for %s stays in its trace "
+            "(session.children() finds it)",
+            child_id,
+            parent_id,
+        )
 
 
 def _open_in(host: Host) -> Callable[[str], SessionPort | None]:

@@ -336,18 +336,13 @@ class SessionSupervisor:
                 came_for = task.task if task is not None else self._ended
                 _run_late_steering(self._out, self._port, message, came_for)
             case SubagentFinished():
-                # A background child's end (R-TREE-2): steering of a task that goes on,
-                # else a task of its own after the one that ends (never dropped with it).
-                if machine.takes_steering:
-                    machine.queue_steering(repaired_blocks(message.content), message.follow_up)
-                else:
-                    machine.queue_task(message.follow_up)
+                _take_answer(self._out, self._port, message)
             case TaskQueued():
                 _queue_task(self._out, self._port, message)
             case InterruptTask():
                 # A node's own interrupt leaves its background children running: their
-                # answers still reach it, as follow-ups (not when the session closes).
-                node = message.scope == "node" and not self._port.closed
+                # answers still reach it, as follow-ups (a closing host's: recorded queued).
+                node = message.scope == "node"
                 _interrupt(self._out, self._port, message.reason, keep_answers=node)
                 if message.scope == "tree":
                     end_subtree(self._port, "parent task interrupted")
@@ -486,6 +481,7 @@ class SessionSupervisor:
             # must not cost the host: task_end still reaches its readers.
             self._out.commit()
             await self._out.sync_task_end(completed=status == "completed")
+        _leave_answers(self._out, self._port)
         if machine.has_queued_tasks:
             self._out.flush()
 
@@ -593,6 +589,38 @@ class SessionSupervisor:
         return (result[0],) if result and not self._machine.stopping else None
 
 
+def _take_answer(out: OutputEmitter, port: SessionPort, message: SubagentFinished) -> None:
+    """A background child's end (R-TREE-2): steering of a task that goes on, else a task
+    of its own after the one that ends (never dropped with it). A closing session runs no
+    more tasks: its answer is recorded as a queued follow-up (``task_queued``) before the
+    close ends, for the next host that takes the session up (R-STEER-6, R-DRAIN-1)."""
+    machine = port.machine
+    if machine.takes_steering:
+        machine.queue_steering(repaired_blocks(message.content), message.follow_up)
+    elif port.closed:
+        out.emit(queued_record(port, message.follow_up)[1])
+        out.flush()
+    else:
+        machine.queue_task(message.follow_up)
+
+
+def _leave_answers(out: OutputEmitter, port: SessionPort) -> None:
+    """A task of a closing session has ended. What is queued behind it now is children's
+    answers (a user's follow-ups went with the close's interrupt, and a closing session
+    takes no new ones): no task runs them here; each is recorded as a queued follow-up
+    (``task_queued``, written now, made durable by the close's sync) that the next host
+    takes up (R-TREE-2, R-STEER-6). An answer once accepted is in its parent's trace,
+    whenever the host closes."""
+    machine = port.machine
+    if not (port.closed and machine.has_queued_tasks):
+        return
+    answers = machine.queued_tasks
+    machine.interrupt(f"session {port.id} closed")  # no task is open: only the queue goes
+    for answer in answers:
+        if isinstance(answer, TaskInput) and answer.queued_id is None:
+            out.emit(queued_record(port, answer)[1])
+
+
 def _queue_task(out: OutputEmitter, port: SessionPort, message: TaskQueued) -> None:
     """Queue the task ``message`` brings. A user's follow-up is recorded first
     (``task_queued``, written at once, its ``recorded`` settled once the record is
@@ -600,7 +628,8 @@ def _queue_task(out: OutputEmitter, port: SessionPort, message: TaskQueued) -> N
     the session up runs it (R-STEER-6); a closing session takes none (it accepts no more
     work: R-HOST-3), and ``recorded`` says it was dropped. A background child's report is
     not recorded: its parent gets it from the child's own trace when the child is taken up
-    (``child_reports``), and recording it here too would deliver it twice."""
+    (``child_reports``), and recording it here too would deliver it twice — unless the
+    session closes before it runs (:func:`_leave_answers`)."""
     task = message.task
     with _handed_to_machine(message.recorded):
         if message.follow_up and isinstance(task, TaskInput):
@@ -687,6 +716,7 @@ def _refused(
     status: TaskStatus = "aborted" if refused is None else "failed"
     out.emit(task.task_end(status, refused or port.machine.stop_reason))
     out.commit()
+    _leave_answers(out, port)
 
 
 def _report_trace_failure(inbox: trio.MemorySendChannel[SupervisorMessage], message: str) -> None:
