@@ -26,7 +26,7 @@ the lean transport's do.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterable, Callable
+from collections.abc import AsyncIterable, Awaitable, Callable
 from contextvars import ContextVar, Token
 from types import TracebackType
 from typing import Any, Protocol
@@ -165,20 +165,42 @@ class HeadDeadline:
 async def time_heads(request: Any) -> None:
     """A request hook for an httpx or httpx2 client (``event_hooks={"request":
     [time_heads]}``): a request sent inside a :class:`HeadDeadline` has its response
-    head timed by it, through httpcore's ``trace`` extension; any other is left alone."""
+    head timed by it, through httpcore's ``trace`` extension; any other is left alone.
+    Idempotent: a redirected request, built with the extensions of the one before it,
+    arrives with the hook already there, and keeps it once."""
     head = _HEAD.get()
     if head is None:
         return
-    other = request.extensions.get("trace")
-    if other is None:
-        request.extensions["trace"] = head.trace
-        return
+    other = _without_head_timing(request.extensions.get("trace"))
+    request.extensions["trace"] = head.trace if other is None else _HeadThen(head, other)
 
-    async def both(name: str, info: dict[str, Any]) -> None:
-        await head.trace(name, info)
-        await other(name, info)
 
-    request.extensions["trace"] = both
+_Trace = Callable[[str, dict[str, Any]], Awaitable[None]]
+
+
+class _HeadThen:
+    """A ``trace`` extension that gives each event to a head deadline, then to the trace
+    that was there before it."""
+
+    __slots__ = ("head", "other")
+
+    def __init__(self, head: HeadDeadline, other: _Trace) -> None:
+        self.head = head
+        self.other = other
+
+    async def __call__(self, name: str, info: dict[str, Any]) -> None:
+        await self.head.trace(name, info)
+        await self.other(name, info)
+
+
+def _without_head_timing(trace: _Trace | None) -> _Trace | None:
+    """``trace`` without what :func:`time_heads` put in it (a head deadline's hook, alone
+    or in front of another): what was there before it."""
+    if isinstance(trace, _HeadThen):
+        return trace.other
+    if isinstance(getattr(trace, "__self__", None), HeadDeadline):
+        return None
+    return trace
 
 
 __all__ = [

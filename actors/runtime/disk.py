@@ -147,6 +147,19 @@ class Disk:
                 raise problem
             return file.read()
 
+    def check_readable(self, path: Path) -> os.stat_result:
+        """The status of ``path`` when it is a regular file its user may read, else the
+        OSError :meth:`read` would raise for it (a permission refused is a
+        PermissionError naming it), checked without opening it: what lists many files
+        (a scan of sessions, a session's older traces) asks it instead of reading each."""
+        status = os.stat(path)
+        problem = _not_regular(status.st_mode, str(path))
+        if problem is not None:
+            raise problem
+        if not os.access(path, os.R_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return status
+
 
 def _not_regular(mode: int, where: str) -> OSError | None:
     """The error for reading a file of ``mode`` at ``where`` when it is not a regular file."""

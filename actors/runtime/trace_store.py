@@ -67,11 +67,13 @@ Exceptions (with the trace sink's)::
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
 import secrets
 import shutil
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, cast
@@ -113,6 +115,7 @@ from greenroom.protocols.trace import (
     trace_file_name,
     trace_file_number,
 )
+from greenroom.protocols.wording import special_file_words
 
 __all__ = [
     "WRITER_LOCK_FILE",
@@ -253,12 +256,15 @@ class TraceLog(Protocol):
     async def read_latest(self, session_id: str) -> LoadedTrace:
         """The session's latest trace as :meth:`load` reads it, for a reader: the log
         takes no position and changes nothing (``greenroom trace`` reads a data dir it
-        cannot write). Raises OSError when the trace cannot be read at all."""
+        cannot write). Raises OSError when the trace cannot be read at all, or when an
+        older one of the session's traces cannot be (a history without it is no history:
+        R-TRACE)."""
         ...
 
     async def read_after(self, session_id: str, after_seq: int = 0) -> list[Output]:
         """Every traced output with ``seq > after_seq``, across the session's traces,
-        in order (replay for a client that reconnects: R-GW)."""
+        in order (replay for a client that reconnects: R-GW). Raises OSError when one
+        of them cannot be read, never gives the others as if they were all."""
         ...
 
     def append(self, session_id: str, seq: int, line: str) -> int:
@@ -552,6 +558,7 @@ class FileTraceLog:
                 break  # no older context to go back to: the newest file is all there is
             number, path, result = number - 1, previous, earlier
             errors = (*(str(e) for e in earlier.errors), *errors)  # in file order
+        _check_older_traces(self.paths.session_dir(session_id), number, self.disk)
         loaded = LoadedTrace(
             records=tuple(result.records),
             errors=errors,
@@ -561,11 +568,14 @@ class FileTraceLog:
         return loaded, path
 
     async def read_after(self, session_id: str, after_seq: int = 0) -> list[Output]:
-        """Every trace file's records after ``after_seq``, oldest file first; a file that
-        cannot be read is skipped."""
+        """Every trace file's records after ``after_seq``, oldest file first. A file that
+        cannot be read raises its OSError: what reads the history rebuilds from it, and
+        a history without that file's records would be taken as the whole one."""
         directory = self.paths.session_dir(session_id)
         return await trio.to_thread.run_sync(
-            lambda: read_session_records(directory, after_seq=after_seq, disk=self.disk)
+            lambda: read_session_records(
+                directory, after_seq=after_seq, on_unreadable=_refuse_unreadable, disk=self.disk
+            )
         )
 
     def append(self, session_id: str, seq: int, line: str) -> int:
@@ -684,9 +694,8 @@ class FileTraceLog:
         if session_id in self._writing:
             return
         path = self.paths.session_dir(session_id) / WRITER_LOCK_FILE
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, PRIVATE_FILE_MODE)
-        except OSError:
+        fd = _open_writer_lock(path)
+        if fd is None:
             return  # no directory yet, or none we may write: nothing to share it with
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -747,6 +756,48 @@ class FileUsageLedger:
         return await trio.to_thread.run_sync(usage_report, path, query)
 
 
+def _open_writer_lock(path: Path) -> int | None:
+    """A descriptor of the lock file ``path`` (created if missing), or None where it cannot
+    be opened (no directory, no permission). One that is not a regular file raises an
+    OSError naming it: a directory or a link loop cannot be locked (the session would be
+    written unlocked), a link is not followed (it could make a file anywhere), a FIFO is
+    no lock file; opened ``O_NONBLOCK``, a FIFO is never waited on."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, PRIVATE_FILE_MODE)
+    except OSError as exc:
+        if exc.errno == errno.EISDIR:
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path)) from None
+        if exc.errno == errno.ELOOP:  # O_NOFOLLOW's answer for a link, whatever it names
+            raise OSError(errno.ELOOP, _LINK_WORDS, str(path)) from None
+        return None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, special_file_words(mode), str(path))
+    return fd
+
+
+_LINK_WORDS = "it is a symbolic link, not a regular file"
+
+
+def _refuse_unreadable(path: Path, exc: OSError) -> None:
+    if not isinstance(exc, FileNotFoundError):  # one gone since the listing: deleted
+        raise exc
+
+
+def _check_older_traces(directory: Path, below: int, disk: Disk) -> None:
+    """Raise the OSError of the first trace file of ``directory`` numbered below ``below``
+    that cannot be read (each checked, none read): a session is loaded from its latest
+    trace, but a rewind into an earlier context, a history replayed to a client or a
+    child's answer read later need the older ones, and would go on without them."""
+    for entry in sorted(directory.iterdir()):
+        number = trace_file_number(entry.name)
+        if number is not None and number < below:
+            with contextlib.suppress(FileNotFoundError):  # deleted meanwhile
+                disk.check_readable(entry)
+
+
 def _scan(root: Path, disk: Disk) -> list[StoredSession]:
     found: list[StoredSession] = []
     if not root.is_dir():
@@ -756,7 +807,12 @@ def _scan(root: Path, disk: Disk) -> list[StoredSession]:
         try:
             meta = read_meta_file(meta_path, disk)
             traces = list(meta_path.parent.glob("trace_*.jsonl"))
-            updated = max((t.stat().st_mtime for t in traces), default=meta_path.stat().st_mtime)
+            # Each trace checked, none read: one that cannot be read makes the session
+            # unreadable (loading it fails), said here rather than listed as usable.
+            updated = max(
+                (disk.check_readable(t).st_mtime for t in traces),
+                default=meta_path.stat().st_mtime,
+            )
         except FileNotFoundError:
             continue  # deleted while we looked
         except (StoredSessionUnreadable, OSError) as exc:
@@ -764,7 +820,7 @@ def _scan(root: Path, disk: Disk) -> list[StoredSession]:
                 StoredSession(
                     session_id=session_id,
                     meta=None,
-                    problem=str(exc),
+                    problem=_problem(exc),
                     where=str(meta_path),
                     updated_at=0.0,
                     traces=0,
@@ -898,6 +954,13 @@ def _tighten_session_dir(directory: Path) -> None:
             if entry.is_symlink():
                 continue
             tighten(entry, PRIVATE_DIR_MODE if entry.is_dir() else PRIVATE_FILE_MODE)
+
+
+def _problem(exc: BaseException) -> str:
+    """Why a session is unreadable: an OSError as ``PATH: REASON``."""
+    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}"
+    return str(exc)
 
 
 def one_line(exc: BaseException) -> str:
