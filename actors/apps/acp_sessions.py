@@ -27,6 +27,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import stat
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -119,7 +120,12 @@ def _first_prompt(trace: Path) -> str:
     """The text of the first prompt in the first :data:`FIRST_PROMPT_BYTES` of a trace
     file, on one line, cut to :data:`TITLE_CHARS` ("" when there is none)."""
     try:
-        with trace.open("rb") as handle:
+        # Not waited on: a FIFO in the trace's place opens at once and is not read, nor is
+        # a device (R-SEC-1); only a regular file gives a title.
+        fd = os.open(trace, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with open(fd, "rb") as handle:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return ""
             head = handle.read(FIRST_PROMPT_BYTES)
     except OSError:
         return ""
