@@ -444,7 +444,7 @@ class Host:
         self._closed = True
         try:
             async with trio.open_nursery() as nursery:
-                for sid in list(self._sessions):
+                for sid in self._opening.every_id():  # a load under way: once it ends
                     nursery.start_soon(self.close_session, sid)
         finally:
             # Even past the shutdown bound: the desk, the provider clients and the MCP

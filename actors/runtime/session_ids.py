@@ -62,6 +62,12 @@ class OpeningSessions(Generic[S]):
                         raise
         raise SessionExists(f"no free session id after {ID_DRAWS} draws")
 
+    def every_id(self) -> list[str]:
+        """The ids of the open sessions, then of those being created, loaded or closed:
+        what a host that closes must close (a load under way as the close began adds its
+        session after the close looked at the open ones)."""
+        return [*self._open, *(i for i in self._opening if i not in self._open)]
+
     async def settled(self, session_id: str) -> S | None:
         """The open session ``session_id`` once no creation or load of it is under way;
         None when it is not open (then none was, or that attempt failed)."""

@@ -1,0 +1,62 @@
+"""A host that closes while a load of a session is under way closes that session too once
+the load ends (R-HOST-3): the close listed only the sessions open when it began, so one
+whose load passed ``check_open`` just before was left open — its writer lock taken after
+the store let every lock go, kept by the process, and the next host in it could not load
+the session (``SessionOpenElsewhere``). The order is forced with events."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from conftest import RUN_TIMEOUT_S, open_host
+
+from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text
+from greenroom.actors.runtime.errors import HostClosed
+from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.port_builder import PortBuilder
+
+
+async def test_a_session_loading_as_its_host_closes_is_closed_with_it(
+    data_dir: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hello = ScriptedProvider(lambda request: Reply(blocks=(text("hello"),)))
+    async with open_host(data_dir) as host:
+        session = await host.create_session(provider=hello, workspace_dir=workspace)
+        await session.run("hello").collect()
+    session_id = session.id
+
+    loading, closing = trio.Event(), trio.Event()
+    stored, aclose = PortBuilder.stored, Host.aclose
+
+    async def slow_load(self: PortBuilder, *args: Any, **kwargs: Any) -> Any:
+        loading.set()
+        await closing.wait()  # the close has begun: the host is closed, its sessions listed
+        return await stored(self, *args, **kwargs)
+
+    async def closing_host(self: Host) -> None:
+        closing.set()
+        await aclose(self)
+
+    async def load(host: Host) -> None:
+        # A host may refuse it as well; what it must not do is leave it open.
+        with contextlib.suppress(HostClosed):
+            await host.load_session(session_id, provider=hello)
+
+    closed: list[str] = []
+    monkeypatch.setattr(PortBuilder, "stored", slow_load)
+    monkeypatch.setattr(Host, "aclose", closing_host)
+    async with open_host(data_dir) as host:
+        host.on_closed = closed.append
+        host.start_task(lambda: load(host))
+        with trio.fail_after(RUN_TIMEOUT_S):
+            await loading.wait()
+    assert closed == [session_id]
+    monkeypatch.undo()
+
+    async with open_host(data_dir) as host:  # its lock was let go: it loads here
+        again = await host.load_session(session_id, provider=hello)
+        assert again.id == session_id
