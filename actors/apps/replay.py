@@ -25,18 +25,13 @@ Every argument reaches the record and the tool as the model gave it, whatever it
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import attrs
-import trio
 
 from greenroom.actors.apps.exits import UsageError
-from greenroom.actors.apps.run import flag_file_problem
 from greenroom.actors.runtime import (
-    FileTraceStore,
     Host,
     ModelProvider,
     Session,
@@ -58,9 +53,9 @@ from greenroom.protocols.replay import (
 )
 from greenroom.protocols.structured import recorded_spec
 from greenroom.protocols.tools import Tool, ToolContext, ToolFailure
-from greenroom.protocols.trace import trace_file_number
 
 __all__ = ["replay_session", "replaying"]
+
 
 def denied_note(name: str) -> str:
     """What the model reads for a call a replay did not run."""
@@ -133,16 +128,10 @@ async def replay_session(
     if not await host.trace_store.catalog.exists(source_id):
         raise SessionNotFound(f"no session {source_id!r} in {host.data_dir}")
     source_meta = await host.trace_store.catalog.read_meta(source_id)
-    # A cluster's store keeps its traces in a file store of its own (``files``).
-    store = getattr(host.trace_store, "files", host.trace_store)
-    if isinstance(store, FileTraceStore):
-        # The log skips a trace file it cannot read: said here, not as a session with no
-        # recorded prompt.
-        directory = store.paths.session_dir(source_id)
-        problem = await trio.to_thread.run_sync(unreadable_trace, directory)
-        if problem is not None:
-            raise UsageError(f"session {source_id} cannot be replayed: its trace {problem}")
-    tasks = recorded_tasks(await host.trace_store.log.read_after(source_id))
+    try:
+        tasks = recorded_tasks(await host.trace_store.log.read_after(source_id))
+    except OSError as exc:  # a trace file that cannot be read (R-SEC-1): never a part
+        raise UsageError(f"session {source_id} cannot be replayed: its trace {_why(exc)}") from None
     if not tasks:
         raise UsageError(f"session {source_id} has no recorded prompt to replay")
     recorded = RecordedResults(call for task in tasks for call in task.calls)
@@ -168,30 +157,15 @@ async def replay_session(
     )
 
 
-def unreadable_trace(session_dir: Path) -> str | None:
-    """The first trace file of ``session_dir`` that cannot be read, and why (``PATH is a
-    directory, not a file``, ``PATH is a FIFO…``, ``PATH: Permission denied``); None when
-    every one can be. Not one byte is read: opening does not wait for a FIFO's writer, and
-    a device is not opened at all. Blocking."""
-    try:
-        names = sorted(os.listdir(session_dir))
-    except OSError:
-        return None  # no directory: the session has no trace to refuse
-    for name in names:
-        if trace_file_number(name) is None:
-            continue
-        path = session_dir / name
-        try:
-            status = os.stat(path)
-            problem = flag_file_problem(status, None)
-            if problem is not None:
-                if os.path.isdir(path):
-                    return f"{path} is a directory, not a file"
-                return f"{path} {problem.removeprefix('it ')}"
-            os.close(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC))
-        except OSError as exc:
-            return f"{path}: {exc.strerror or exc}"
-    return None
+def _why(exc: OSError) -> str:
+    """A trace file's OSError as the replay says it: ``PATH is a directory, not a file``,
+    ``PATH is a FIFO (a named pipe), not a regular file``, ``PATH: Permission denied``."""
+    if isinstance(exc, IsADirectoryError):
+        return f"{exc.filename} is a directory, not a file"
+    why = exc.strerror or str(exc)
+    if why.startswith("it "):  # Disk.read's words for what is no regular file
+        return f"{exc.filename} {why.removeprefix('it ')}"
+    return f"{exc.filename}: {why}"
 
 
 async def _replay_task(session: Session, task: RecordedTask, outcomes: Outcomes) -> ReplayedTask:
@@ -244,4 +218,3 @@ def _allow(call: ToolCallBlock) -> str:
 
 def _text_of(content: tuple[UserContent, ...]) -> str:
     return " ".join(b.text for b in content if isinstance(b, TextBlock))
-
