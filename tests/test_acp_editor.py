@@ -198,11 +198,12 @@ class FilesEditor(Editor):
 
 @contextlib.asynccontextmanager
 async def editor_agent(
-    tmp_path: Path, sandbox: str = "auto", approve: str = "all"
+    tmp_path: Path, sandbox: str = "auto", approve: str = "all", editor: Editor | None = None
 ) -> AsyncIterator[Agent]:
+    """The agent of :data:`AGENT` with ``editor`` (a new :class:`FilesEditor` if none)."""
     async with spawned_agent(
-        tmp_path, FilesEditor(), sys.executable, str(AGENT), str(tmp_path / "data"), sandbox,
-        approve,
+        tmp_path, editor or FilesEditor(), sys.executable, str(AGENT), str(tmp_path / "data"),
+        sandbox, approve,
     ) as agent:  # fmt: skip
         yield agent
 

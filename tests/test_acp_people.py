@@ -22,7 +22,13 @@ from typing import Any
 
 import pytest
 from acp import RequestError
-from acp.schema import ClientCapabilities, Implementation, PermissionOption, ToolCallUpdate
+from acp.schema import (
+    ClientCapabilities,
+    Implementation,
+    PermissionOption,
+    PromptResponse,
+    ToolCallUpdate,
+)
 
 from tests.test_acp import ROOT, Agent, Editor, run, spawned_agent, text
 
@@ -91,6 +97,19 @@ async def open_session(agent: Agent, tmp_path: Path, *, asks: bool = False) -> s
     return created.session_id
 
 
+async def held_at_its_permission(
+    agent: Agent, tmp_path: Path
+) -> tuple[str, PeopleEditor, asyncio.Task[PromptResponse]]:
+    """Open a session and prompt ``pay`` until its call's permission is asked, the editor
+    holding it: the session's id, the editor and the prompt's task."""
+    sid = await open_session(agent, tmp_path)
+    editor = editor_of(agent)
+    editor.choose = lambda call: None  # held: the person is away
+    prompt = asyncio.create_task(agent.conn.prompt(session_id=sid, prompt=text("pay")))
+    await editor.asked.wait()
+    return sid, editor, prompt
+
+
 def test_a_pending_permission_survives_the_agent_and_is_asked_again_on_load(
     tmp_path: Path,
 ) -> None:
@@ -102,11 +121,7 @@ def test_a_pending_permission_survives_the_agent_and_is_asked_again_on_load(
 
     async def first() -> str:
         async with people_agent(tmp_path, "pay") as agent:
-            sid = await open_session(agent, tmp_path)
-            editor = editor_of(agent)
-            editor.choose = lambda call: None  # held: the person is away
-            prompt = asyncio.create_task(agent.conn.prompt(session_id=sid, prompt=text("pay")))
-            await editor.asked.wait()
+            sid, editor, prompt = await held_at_its_permission(agent, tmp_path)
             assert editor.permissions[0].tool_call_id == "p1"
             assert await agent.close_stdin() == 0
             editor.release.set()
@@ -171,11 +186,7 @@ def test_a_prompt_that_meets_its_session_closing_is_told_it_was_not_sent(
 
     async def scenario() -> str:
         async with people_agent(tmp_path, "pay") as agent:
-            sid = await open_session(agent, tmp_path)
-            editor = editor_of(agent)
-            editor.choose = lambda call: None  # held: the person is away
-            first = asyncio.create_task(agent.conn.prompt(session_id=sid, prompt=text("pay")))
-            await editor.asked.wait()
+            sid, editor, first = await held_at_its_permission(agent, tmp_path)
             await agent.conn.close_session(session_id=sid)  # the task waits in the trace
             assert (await first).stop_reason == "cancelled"
             await agent.conn.load_session(

@@ -23,6 +23,7 @@ from tests.test_acp_people import (
     EDITOR,
     PeopleEditor,
     editor_of,
+    held_at_its_permission,
     open_session,
     people_agent,
     trace_of,
@@ -39,11 +40,7 @@ def test_a_prompt_sent_before_a_cancel_does_not_run_after_it(tmp_path: Path) -> 
 
     async def first() -> str:
         async with people_agent(tmp_path, "pay") as agent:
-            sid = await open_session(agent, tmp_path)
-            editor = editor_of(agent)
-            editor.choose = lambda call: None  # held: the person is away
-            prompt = asyncio.create_task(agent.conn.prompt(session_id=sid, prompt=text("pay")))
-            await editor.asked.wait()
+            sid, editor, prompt = await held_at_its_permission(agent, tmp_path)
             assert await agent.close_stdin() == 0
             editor.release.set()
             with contextlib.suppress(Exception):

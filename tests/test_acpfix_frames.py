@@ -10,7 +10,6 @@ with its id, so the editor's call ends; the editor's answer to one of greenroom'
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +20,8 @@ from acp.schema import ReadTextFileResponse
 from greenroom.protocols import acp
 from greenroom.protocols.acp import MAX_FRAME_BYTES
 from greenroom.protocols.jsonrpc import FrameError
-from tests.test_acp import run, spawned_agent, text
-from tests.test_acp_editor import AGENT, FILES, FilesEditor, open_session
+from tests.test_acp import run, text
+from tests.test_acp_editor import FILES, FilesEditor, editor_agent, open_session
 
 
 class HugeFileEditor(FilesEditor):
@@ -50,9 +49,7 @@ def test_an_over_long_answer_of_the_editor_fails_its_read_at_once(tmp_path: Path
 
     async def scenario() -> None:
         editor = HugeFileEditor()
-        async with spawned_agent(
-            tmp_path, editor, sys.executable, str(AGENT), str(tmp_path / "data"), "auto", "all"
-        ) as agent:
+        async with editor_agent(tmp_path, editor=editor) as agent:
             sid = await open_session(agent, workspace, FILES)
             answer = await agent.conn.prompt(session_id=sid, prompt=text("read notes.txt"))
             assert answer.stop_reason == "end_turn"
@@ -76,10 +73,7 @@ def test_an_over_long_prompt_is_answered_with_its_id(tmp_path: Path) -> None:
     workspace.mkdir()
 
     async def scenario() -> None:
-        async with spawned_agent(
-            tmp_path, FilesEditor(), sys.executable, str(AGENT), str(tmp_path / "data"),
-            "auto", "all",
-        ) as agent:  # fmt: skip
+        async with editor_agent(tmp_path) as agent:
             sid = await open_session(agent, workspace, FILES)
             with pytest.raises(RequestError) as refused:
                 await agent.conn.prompt(session_id=sid, prompt=text("y" * MAX_FRAME_BYTES))

@@ -3,14 +3,13 @@ subprocess (``tests/support/acp_editor_agent.py``)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 from acp import RequestError
 
-from tests.test_acp import run, spawned_agent
-from tests.test_acp_editor import AGENT, FILES, FilesEditor, open_session
+from tests.test_acp import run
+from tests.test_acp_editor import FILES, editor_agent, open_session
 
 
 def test_set_mode_of_a_session_the_connection_does_not_have_is_32002(tmp_path: Path) -> None:
@@ -22,10 +21,7 @@ def test_set_mode_of_a_session_the_connection_does_not_have_is_32002(tmp_path: P
     workspace.mkdir()
 
     async def scenario() -> None:
-        async with spawned_agent(
-            tmp_path, FilesEditor(), sys.executable, str(AGENT), str(tmp_path / "data"),
-            "auto", "all",
-        ) as agent:  # fmt: skip
+        async with editor_agent(tmp_path) as agent:
             sid = await open_session(agent, workspace, FILES)
             with pytest.raises(RequestError) as unknown_session:
                 await agent.conn.set_session_mode(

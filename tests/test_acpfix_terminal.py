@@ -9,14 +9,13 @@ after the call that asked for it was cancelled.
 from __future__ import annotations
 
 import asyncio
-import sys
 from pathlib import Path
 from typing import Any
 
 from acp.schema import CreateTerminalResponse
 
-from tests.test_acp import PROMPT_CANCEL_S, run, spawned_agent, text
-from tests.test_acp_editor import AGENT, TERMINAL, FilesEditor, open_session
+from tests.test_acp import PROMPT_CANCEL_S, run, text
+from tests.test_acp_editor import TERMINAL, FilesEditor, editor_agent, open_session
 
 
 class SlowTerminalEditor(FilesEditor):
@@ -45,9 +44,7 @@ def test_a_terminal_created_after_its_call_was_cancelled_is_released(tmp_path: P
 
     async def scenario() -> None:
         editor = SlowTerminalEditor()
-        async with spawned_agent(
-            tmp_path, editor, sys.executable, str(AGENT), str(tmp_path / "data"), "off", "all"
-        ) as agent:
+        async with editor_agent(tmp_path, sandbox="off", editor=editor) as agent:
             sid = await open_session(agent, workspace, TERMINAL)
             prompt = asyncio.create_task(
                 agent.conn.prompt(session_id=sid, prompt=text("run sleep 600"))

@@ -64,6 +64,15 @@ def _run(data: Path, session_id: str, command: str) -> list[str]:
     return [*tail, "--data-dir", str(data)]
 
 
+def _made_into(tmp_path: Path, name: str, kind: str) -> tuple[Path, str, Path]:
+    """A closed session whose file ``name`` is made into ``kind`` (see ``_replace``): its
+    data folder, its id and the path of that file."""
+    data, session_id = make_session(tmp_path)
+    path = data / "sessions" / session_id / name
+    _replace(path, kind)
+    return data, session_id, path
+
+
 # -- the command line ------------------------------------------------------------------------
 
 
@@ -72,9 +81,7 @@ def _run(data: Path, session_id: str, command: str) -> list[str]:
 def test_a_session_file_that_is_a_fifo_is_one_line_not_a_hang(
     tmp_path: Path, command: str, name: str
 ) -> None:
-    data, session_id = make_session(tmp_path)
-    path = data / "sessions" / session_id / name
-    _replace(path, "fifo")
+    data, session_id, path = _made_into(tmp_path, name, "fifo")
     result = forked(tmp_path, *_run(data, session_id, command))
     line = one_line(result, 2, str(path), _said("fifo"))
     if name == "session.json":
@@ -87,9 +94,7 @@ def test_a_session_file_that_is_a_fifo_is_one_line_not_a_hang(
 def test_a_session_file_that_is_a_link_to_dev_zero_is_one_line_not_read_for_ever(
     tmp_path: Path, command: str, name: str
 ) -> None:
-    data, session_id = make_session(tmp_path)
-    path = data / "sessions" / session_id / name
-    _replace(path, "zero")
+    data, session_id, path = _made_into(tmp_path, name, "zero")
     result = started(
         tmp_path, *_run(data, session_id, command), preexec_fn=limited_memory
     )

@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any
 
 import pytest
 import trio
 from conftest import RUN_TIMEOUT_S, open_host
+from test_x15_close_answers import hold_loads_until_close
 
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text
 from greenroom.actors.runtime.errors import HostClosed
 from greenroom.actors.runtime.host import Host
-from greenroom.actors.runtime.port_builder import PortBuilder
 
 
 async def test_a_session_loading_as_its_host_closes_is_closed_with_it(
@@ -29,26 +28,13 @@ async def test_a_session_loading_as_its_host_closes_is_closed_with_it(
         await session.run("hello").collect()
     session_id = session.id
 
-    loading, closing = trio.Event(), trio.Event()
-    stored, aclose = PortBuilder.stored, Host.aclose
-
-    async def slow_load(self: PortBuilder, *args: Any, **kwargs: Any) -> Any:
-        loading.set()
-        await closing.wait()  # the close has begun: the host is closed, its sessions listed
-        return await stored(self, *args, **kwargs)
-
-    async def closing_host(self: Host) -> None:
-        closing.set()
-        await aclose(self)
-
     async def load(host: Host) -> None:
         # A host may refuse it as well; what it must not do is leave it open.
         with contextlib.suppress(HostClosed):
             await host.load_session(session_id, provider=hello)
 
     closed: list[str] = []
-    monkeypatch.setattr(PortBuilder, "stored", slow_load)
-    monkeypatch.setattr(Host, "aclose", closing_host)
+    loading = hold_loads_until_close(monkeypatch)
     async with open_host(data_dir) as host:
         host.on_closed = closed.append
         host.start_task(lambda: load(host))

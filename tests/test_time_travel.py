@@ -437,6 +437,20 @@ async def test_a_task_started_while_a_rewind_reads_the_trace_is_not_rewound(
         assert [line["type"] for line in trace_lines(session)].count("rewind") == 0
 
 
+async def rewind_past_a_compaction(session: Session) -> None:
+    """Ask, compact, ask again, then rewind to the end of the first answer: the session's
+    latest trace (``trace_003.jsonl``) starts with a rewind into its first context. The
+    session's provider gives the first answer, the summary and the second answer."""
+    await collect(session.run("first question"))
+    first_end = trace_lines(session)[-1]["seq"]
+    assert (await session.compact()) is not None
+    await collect(session.run("second question"))
+    assert session.trace_path.name == "trace_002.jsonl"
+    await session.rewind(first_end)
+    assert session.trace_path.name == "trace_003.jsonl"
+    assert trace_lines(session)[0]["type"] == "rewind"
+
+
 async def test_a_rewind_past_a_compaction_goes_back_to_the_earlier_context(
     data_dir: Path, workspace: Path, providers: Any
 ) -> None:
@@ -453,14 +467,7 @@ async def test_a_rewind_past_a_compaction_goes_back_to_the_earlier_context(
     )
     async with open_host(data_dir) as host:
         session = await host.create_session(provider=provider, workspace_dir=workspace)
-        await collect(session.run("first question"))
-        first_end = trace_lines(session)[-1]["seq"]
-        assert (await session.compact()) is not None
-        await collect(session.run("second question"))
-        assert session.trace_path.name == "trace_002.jsonl"
-        await session.rewind(first_end)
-        assert session.trace_path.name == "trace_003.jsonl"
-        assert trace_lines(session)[0]["type"] == "rewind"
+        await rewind_past_a_compaction(session)
         live = list(session.transcript.messages)
         session_id = session.id
     again = providers([Reply(blocks=(text("again"),))])

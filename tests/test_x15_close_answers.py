@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ import pytest
 import trio
 from conftest import RUN_TIMEOUT_S, allow_all, open_host, port_of, trace_lines
 from test_recovery import blocking_tool
+from test_tree_takeup import _collect, _until_task_end
 
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
 from greenroom.actors.runtime.host import Host
@@ -79,7 +79,7 @@ async def test_x15_a_live_childs_answer_taken_by_a_busy_root_as_the_host_closes_
             # answer to the root, in the same step: once this is set, the root has it.
             host.on_closed = lambda session_id: told.set()
             root = await host.create_session(provider=model, tools=tools, workspace_dir=workspace)
-            nursery.start_soon(_collect, root.run("sum it up", approve=allow_all).collect)
+            nursery.start_soon(_collect, root.run("sum it up", approve=allow_all))
             await told.wait()
             # The host closes now, the root's task still waiting in its call.
     lines = trace_lines(root)
@@ -104,17 +104,24 @@ async def test_x15_a_live_childs_answer_taken_by_a_busy_root_as_the_host_closes_
     assert answers[-1]["block"] == {"type": "text", "text": "merged: the sum is 5"}
 
 
-async def _collect(collect: Callable[[], Awaitable[Any]]) -> None:
-    await collect()
+def hold_loads_until_close(monkeypatch: pytest.MonkeyPatch) -> trio.Event:
+    """Make every session load (``PortBuilder.stored``) wait until a host's close has begun;
+    the returned event is set once a load has started."""
+    loading, closing = trio.Event(), trio.Event()
+    stored, aclose = PortBuilder.stored, Host.aclose
 
+    async def slow_load(self: PortBuilder, *args: Any, **kwargs: Any) -> Any:
+        loading.set()
+        await closing.wait()  # the close has begun: the host is closed, its sessions listed
+        return await stored(self, *args, **kwargs)
 
-async def _until_task_end(inbox: trio.MemoryReceiveChannel[list[Output]]) -> list[Output]:
-    seen: list[Output] = []
-    async for batch in inbox:
-        seen.extend(batch)
-        if any(isinstance(o, TaskEnd) and o.origin is None for o in batch):
-            return seen
-    raise AssertionError("the session closed before its task ended")
+    async def closing_host(self: Host) -> None:
+        closing.set()
+        await aclose(self)
+
+    monkeypatch.setattr(PortBuilder, "stored", slow_load)
+    monkeypatch.setattr(Host, "aclose", closing_host)
+    return loading
 
 
 async def test_x15_a_report_whose_parent_loads_as_the_host_closes_is_refused_and_logged(
@@ -133,20 +140,7 @@ async def test_x15_a_report_whose_parent_loads_as_the_host_closes_is_refused_and
         await root.run("hello").collect()
     before = trace_lines(root)
 
-    loading, closing = trio.Event(), trio.Event()
-    stored, aclose = PortBuilder.stored, Host.aclose
-
-    async def slow_load(self: PortBuilder, *args: Any, **kwargs: Any) -> Any:
-        loading.set()
-        await closing.wait()  # the close has begun: the host is closed, its sessions listed
-        return await stored(self, *args, **kwargs)
-
-    async def closing_host(self: Host) -> None:
-        closing.set()
-        await aclose(self)
-
-    monkeypatch.setattr(PortBuilder, "stored", slow_load)
-    monkeypatch.setattr(Host, "aclose", closing_host)
+    loading = hold_loads_until_close(monkeypatch)
     caplog.set_level(logging.INFO)
     async with open_host(data_dir) as host:
         host.start_task(lambda: host.child_reports.deliver(root.id, "child1", ANSWER, PEOPLE))

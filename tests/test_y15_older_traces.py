@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import collect, open_host, trace_lines
+from conftest import collect, open_host
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `tests` is not a package on pytest's default sys.path
@@ -28,6 +28,7 @@ from greenroom.actors.runtime.host import Host  # noqa: E402
 from tests.test_c14_cli_files import _replace, forked  # noqa: E402
 from tests.test_clifix_bad_input import make_session, one_line  # noqa: E402
 from tests.test_d15_session_files import _said  # noqa: E402
+from tests.test_time_travel import rewind_past_a_compaction  # noqa: E402
 
 KINDS = ["fifo", "zero", "dir"]
 
@@ -44,14 +45,19 @@ async def _rewound_past_a_compaction(data_dir: Path, workspace: Path, providers:
     )
     async with open_host(data_dir) as host:
         session = await host.create_session(provider=provider, workspace_dir=workspace)
-        await collect(session.run("first question"))
-        first_end = trace_lines(session)[-1]["seq"]
-        assert (await session.compact()) is not None
-        await collect(session.run("second question"))
-        await session.rewind(first_end)
-        assert session.trace_path.name == "trace_003.jsonl"
-        assert trace_lines(session)[0]["type"] == "rewind"
+        await rewind_past_a_compaction(session)
         return session.id
+
+
+async def _older_trace_made_into(
+    data_dir: Path, workspace: Path, providers: Any, by: str
+) -> tuple[str, Path]:
+    """A session of :func:`_rewound_past_a_compaction` whose older trace file is made into
+    ``by`` (see ``_replace``): its id and that file's path."""
+    session_id = await _rewound_past_a_compaction(data_dir, workspace, providers)
+    older = data_dir / "sessions" / session_id / "trace_001.jsonl"
+    _replace(older, by)
+    return session_id, older
 
 
 async def _load_error(data_dir: Path, session_id: str, providers: Any) -> OSError:
@@ -67,9 +73,7 @@ async def _load_error(data_dir: Path, session_id: str, providers: Any) -> OSErro
 async def test_loading_a_rewound_session_whose_older_trace_is_no_file_names_it(
     data_dir: Path, workspace: Path, providers: Any, by: str
 ) -> None:
-    session_id = await _rewound_past_a_compaction(data_dir, workspace, providers)
-    older = data_dir / "sessions" / session_id / "trace_001.jsonl"
-    _replace(older, by)
+    session_id, older = await _older_trace_made_into(data_dir, workspace, providers, by)
     raised = await _load_error(data_dir, session_id, providers)
     assert (raised.filename, raised.strerror) == (str(older), _said(by))
     # Nothing of the refused load holds the session: once the file is back, it loads.
@@ -106,9 +110,7 @@ async def test_loading_a_session_whose_older_trace_is_a_fifo_names_it_even_unnee
 async def test_reading_the_history_of_a_session_whose_older_trace_is_no_file_fails(
     data_dir: Path, workspace: Path, providers: Any, by: str
 ) -> None:
-    session_id = await _rewound_past_a_compaction(data_dir, workspace, providers)
-    older = data_dir / "sessions" / session_id / "trace_001.jsonl"
-    _replace(older, by)
+    session_id, older = await _older_trace_made_into(data_dir, workspace, providers, by)
     async with Host.open(data_dir) as host:
         with pytest.raises(OSError) as info:
             await host.trace_store.log.read_after(session_id)
@@ -119,9 +121,7 @@ async def test_reading_the_history_of_a_session_whose_older_trace_is_no_file_fai
 async def test_scanning_lists_a_session_whose_older_trace_is_no_file_as_unreadable(
     data_dir: Path, workspace: Path, providers: Any, by: str
 ) -> None:
-    session_id = await _rewound_past_a_compaction(data_dir, workspace, providers)
-    older = data_dir / "sessions" / session_id / "trace_001.jsonl"
-    _replace(older, by)
+    session_id, older = await _older_trace_made_into(data_dir, workspace, providers, by)
     async with Host.open(data_dir) as host:
         scan = await host.scan_sessions()
     assert scan.sessions == ()
