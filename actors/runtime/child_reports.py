@@ -75,6 +75,7 @@ from greenroom.actors.runtime.subagents import (
 from greenroom.actors.runtime.supervisor import end_left_work, wake
 from greenroom.actors.runtime.tree import (
     LiveChild,
+    TakenUpWork,
     children_of,
     end_subtree,
     forget_finished,
@@ -84,7 +85,7 @@ from greenroom.actors.runtime.tree import (
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.history import live_records
 from greenroom.protocols.messages import InterruptTask, SubagentFinished, SupervisorMessage
-from greenroom.protocols.outputs import Output, TaskEnd, TaskStart
+from greenroom.protocols.outputs import Output
 
 if TYPE_CHECKING:
     from greenroom.actors.runtime.host import Host
@@ -144,49 +145,6 @@ def _parent_waits(child: SessionPort) -> bool:
     the parent's running children only then: a root's close, which ends the subtree it
     counts, leaves it pending, as it did before the child counted parked."""
     return child.parent_id is not None and child.parent_id != child.root_id
-
-
-def _tasks_opened(batch: list[Output]) -> int:
-    """How many of the session's own tasks ``batch`` starts, less those it ends."""
-    opened = 0
-    for output in batch:
-        if output.origin is None:
-            if isinstance(output, TaskStart):
-                opened += 1
-            elif isinstance(output, TaskEnd):
-                opened -= 1
-    return opened
-
-
-async def _until_work_ends(
-    port: SessionPort, outputs: trio.MemoryReceiveChannel[list[Output]], watch: ChildWatch
-) -> None:
-    """Hand ``watch`` what the taken-up child ``port`` publishes until its work has ended:
-    its open task and every task queued behind it (its recorded follow-ups), as a live
-    child's follower reads its run to the end — so that its answer is its last task's,
-    not its first's (R-TREE-2). Returns at once when ``outputs`` closes (the session
-    closed with a task open). A task's end leaves the work going while the supervisor
-    still runs or has a task open or queued; the last ``task_end`` is seen only after
-    the session is idle, so once the open tasks are all ended the session's idleness,
-    and what was published up to it, decide."""
-    open_tasks = 1  # the one taken up: its task_start came before the watch
-    async for batch in outputs:
-        watch.on_batch(batch)
-        open_tasks += _tasks_opened(batch)
-        if open_tasks > 0:
-            continue
-        await port.wait_idle()
-        while open_tasks <= 0:
-            try:
-                batch = outputs.receive_nowait()
-            except trio.WouldBlock:
-                break
-            except trio.EndOfChannel:
-                return
-            watch.on_batch(batch)
-            open_tasks += _tasks_opened(batch)
-        if open_tasks <= 0 and port.inbox is None and not port.machine.busy:
-            return
 
 
 class ChildReports:
@@ -304,6 +262,7 @@ class ChildReports:
         # the child's task ends.
         send, outputs = trio.open_memory_channel[list[Output]](math.inf)
         port.watch(send)
+        work = TakenUpWork(port)  # right after the watch: its last task's end, not a new run's
         # Its subtree's token budget holds as it did before (R-TREE-3), counted from what
         # its task used then and what its descendants had used: its parent's setting,
         # which it inherited.
@@ -336,7 +295,7 @@ class ChildReports:
             # background children, or its host stopped before the task's end was recorded.
             watch.recall(await self._said_before(port, said_through))
             with outputs:
-                await _until_work_ends(port, outputs, watch)
+                await work.read(outputs, watch.on_batch)
             if watch.end is None:
                 return  # the session closed with its task open: taken up again later
             try:
@@ -346,7 +305,6 @@ class ChildReports:
             # Its work done, it leaves the host's open sessions before its parent hears of
             # it, as a live child does (``load_session`` opens it again). In a cluster too:
             # its host releases it, and answers the calls on their way to it meanwhile.
-            await port.wait_idle()
             forget_finished(port)
             place = self._places.pop(port.id, None)
             if place is not None and place.cut:

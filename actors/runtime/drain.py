@@ -58,7 +58,13 @@ def rests_with_children(port: SessionPort) -> bool:
     the drain (a person allows a parked child's call) wakes it as it wakes a parked
     task. Any of its ancestors that waits for it rests in turn, so a subagent's task is
     held here whoever its parent is (unlike :func:`holds_for_drain`). Only on a host that
-    hands nothing over: a cluster host hands such a tree over as it waits (R-DRAIN-2)."""
+    hands nothing over: a cluster host hands such a tree over as it waits (R-DRAIN-2).
+
+    Never a foreground subagent's task: it runs inside its parent's call, which no record
+    lets another host take up waiting for this task's answer. Held, it would end that
+    call without an answer; taken up, the call would be in doubt (R-EFFECT-2), and run
+    again it repeats this subagent's work and its children's. The parent's call runs on,
+    and the stop that follows the grace interrupts it."""
     children = port.children
     if children is None or not children.live or port.machine.waiting_for != "children":
         return False

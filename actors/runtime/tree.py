@@ -50,11 +50,12 @@ import trio
 
 from greenroom.actors.runtime.port import Listener, SessionPort
 from greenroom.protocols.messages import InterruptTask, SubagentFinished, SubagentOutputs
-from greenroom.protocols.outputs import Output
+from greenroom.protocols.outputs import Output, TaskEnd, TaskStart, UserMsg
 
 __all__ = [
     "Children",
     "LiveChild",
+    "TakenUpWork",
     "children_of",
     "end_subtree",
     "forget_finished",
@@ -239,6 +240,104 @@ def forget_finished(child: SessionPort) -> None:
     has had its answer and hears nothing more of it (R-TREE-1, R-TREE-2)."""
     if child.inbox is None:
         child.host.forget_child(child)
+
+
+class TakenUpWork:
+    """Which outputs of a background child taken up after a restart are the work its
+    parent waits for (R-TREE-2, R-TREE-4): its open task and every task its work runs
+    after it (its recorded follow-ups, steering that came too late), as a live child's
+    follower reads its run to the end — so that its answer is its last task's, not its
+    first's. Not a run someone starts on the session once that work has ended (a host
+    that reacts to its ``task_end`` finds it idle): that run is theirs, as a live
+    child's would be (:func:`forget_finished`), and its answer is no report of the task
+    the parent spawned.
+
+    Its listener is subscribed right after the follower's watch of the port, nothing
+    published between, so both see the same batches in the same order. It decides as
+    each batch is published, before anyone can react to it: the work has ended with the
+    batch that leaves none of its tasks open or starting (a follow-up's prompt is
+    published before its ``task_start``) while nothing is open or queued in the session
+    — a later run, which only starts then, is in its own supervisor's inbox — or, at the
+    latest, with the batch before a prompt that starts no follow-up of it (one queued
+    behind its tasks has a ``queued_id``): a store that acknowledges late may publish the
+    last ``task_end`` after a later run has taken its task."""
+
+    __slots__ = ("_ended_at", "_idle", "_open", "_prompted", "_published", "_unsubscribe")
+
+    def __init__(self, port: SessionPort) -> None:
+        self._open = 1  # the task taken up: its task_start came before
+        self._prompted = False
+        self._published = 0
+        self._ended_at: int | None = None
+        """How many batches, counted from the subscription, the work published."""
+        self._idle: trio.Event | None = None
+        """The idle event of the last supervisor seen running one of the work's tasks."""
+
+        def on_batch(batch: list[Output]) -> None:
+            if self._ended_at is not None:
+                return
+            self._published += 1
+            for output in batch:
+                if output.origin is None and not self._count(output):
+                    self._end(self._published - 1)  # another run's prompt
+                    return
+            if self._open > 0:
+                # No other run starts while a task of the work is open (Busy): a
+                # supervisor publishing now is the work's.
+                if port.idle is not None:
+                    self._idle = port.idle
+            elif not port.machine.busy:
+                self._end(self._published)
+
+        self._unsubscribe = port.subscribe(on_batch)
+
+    def _end(self, batches: int) -> None:
+        self._ended_at = batches
+        self._unsubscribe()
+
+    def _count(self, output: Output) -> bool:
+        """Count the tasks of the work that ``output``, the session's own, opens or ends;
+        False when it is the prompt of a run that is not the work's."""
+        match output:
+            case UserMsg(kind="prompt") if not self._prompted:
+                if self._open == 0 and output.queued_id is None:
+                    return False
+                self._open += 1  # the task starts, as its task_start soon says
+                self._prompted = True
+            case TaskStart():
+                if not self._prompted:
+                    self._open += 1
+                self._prompted = False
+            case TaskEnd():
+                self._open = max(0, self._open - 1)
+                self._prompted = False
+            case _:
+                pass
+        return True
+
+    async def read(
+        self,
+        outputs: trio.MemoryReceiveChannel[list[Output]],
+        take: Callable[[list[Output]], None],
+    ) -> None:
+        """Hand ``take`` each batch of the work that ``outputs`` (the watch subscribed just
+        before this) brings, then return once the supervisor that ran its last task has
+        stopped; at once when ``outputs`` closes (the session closed with a task open)."""
+        read = 0
+        try:
+            async for batch in outputs:
+                if self._ended_at is not None and read >= self._ended_at:
+                    break  # a later run's: the work ended with the batch before
+                read += 1
+                take(batch)
+                if self._ended_at is not None and read >= self._ended_at:
+                    break
+            else:
+                return
+            if self._idle is not None:
+                await self._idle.wait()
+        finally:
+            self._unsubscribe()
 
 
 def stopped_running(parent: SessionPort, child: SessionPort) -> None:
