@@ -216,10 +216,13 @@ own background children keep running)."""
 class InterruptTask:
     """Command to the supervisor: interrupt the running task and drop its follow-ups
     (R-ABORT-1); ``reason`` goes into its ``abort`` record. ``scope`` ``tree`` (the
-    default) also interrupts the session's background children, and theirs (R-TREE-2)."""
+    default) also interrupts the session's background children, and theirs (R-TREE-2).
+    ``closing``: the session's close sends it, which holds a task that a background
+    child's answer started at its next turn boundary instead of ending it (R-TREE-2)."""
 
     reason: str
     scope: InterruptScope = "tree"
+    closing: bool = False
 
 
 @attrs.frozen(kw_only=True, slots=True)

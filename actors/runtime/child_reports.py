@@ -25,7 +25,10 @@ runs on (``task_queued``, R-STEER-6, is for a user's follow-ups): the child's tr
 makes it durable, and a child whose task its host had not ended is taken up and reports
 again; recorded in the parent too, it would be delivered twice. A parent whose host closes
 before it ran a report it took records it then, queued (the child's task has ended: it
-reports no more), so that the close does not lose it (the supervisor's ``_leave_answers``).
+reports no more), so that the close does not lose it (the supervisor's ``_leave_answers``);
+one whose task it has started (its prompt recorded) the close holds at the task's next turn
+boundary, open in its trace for the next host (``TaskInput.report``, the supervisor's
+``_close_holds``), instead of ending it.
 
 While a taken-up child runs here — a supervisor runs it, or its task waits here for
 people (parked) — its parent open here counts it among its running children
@@ -410,7 +413,9 @@ class ChildReports:
             parent.children.let_go(child_id)  # it runs no more: its answer comes now
         most = self._host.trace_log.largest_input()
         content = (TextBlock(text=answer_fitted(text, child_id=child_id, most=most)),)
-        follow_up = TaskInput(content=content, approve=approve, thinking_level=None)
+        follow_up = TaskInput(
+            content=content, approve=approve, thinking_level=None, report=True
+        )
         if tell(
             parent, SubagentFinished(session_id=child_id, content=content, follow_up=follow_up)
         ):

@@ -209,9 +209,9 @@ class Host:
         limits: ProviderLimits | None = None,
         shared: SharedLimits | None = None,
     ) -> AsyncIterator[Host]:
-        """Start the host's actor tree; on exit close every session (interrupting running
-        tasks and waiting for their last records; a task that waits only for people stays
-        pending in its trace), flush the trace and stop.
+        """Start the host's actor tree; on exit close every session (interrupting running tasks
+        — one a subagent's answer started stops open at its next turn boundary — and waiting
+        for their last records; one waiting only for people stays pending), flush and stop.
 
         ``resume_tasks=True`` takes up, once the host is open, every stored task that was open when
         its host stopped (a crash, a SIGKILL): a parked task waits on for its answer, a running one
@@ -347,7 +347,7 @@ class Host:
         :meth:`resume`); another is taken up by :meth:`resume` (R-HITL-4), or recovered as
         interrupted when a new task starts (R-TRACE-4)."""
         self.check_open()
-        if (open_now := await self._opening.settled(session_id)) is not None:
+        if (open_now := await self._opening.settled(session_id, self.check_open)) is not None:
             return open_now  # open, or opened by a load under way: one port a session
         with self._opening.opening(session_id):
             port = await self._builder.stored(

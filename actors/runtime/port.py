@@ -94,7 +94,9 @@ class TaskInput:
     task's ``task_start``. ``queued_id`` names the ``task_queued`` record of a follow-up
     (R-STEER-6): its prompt says it started it. ``late_steering``: the task is steering
     that came after its task stopped taking it (R-STEER-1), which the cap on what
-    clients queue counts as the steering they sent (R-SEC-9)."""
+    clients queue counts as the steering they sent (R-SEC-9). ``report``: the prompt is
+    a background child's answer (R-TREE-2), which a close does not end (see
+    :class:`~greenroom.protocols.messages.InterruptTask`)."""
 
     content: tuple[UserContent, ...]
     approve: Approval
@@ -102,6 +104,7 @@ class TaskInput:
     output: OutputSpec | None = None
     queued_id: str | None = None
     late_steering: bool = False
+    report: bool = False
 
 
 @attrs.frozen(kw_only=True, slots=True)

@@ -876,10 +876,10 @@ class Session:
             await idle.wait()
 
     async def aclose(self) -> None:
-        """Interrupt any running task and wait until it has finished writing
-        (R-HOST-3). The session accepts no more work. A task that waits only for people
-        (parked) is not interrupted: its request stays pending in the trace, asked again
-        when the session is loaded (R-HITL-1)."""
+        """Interrupt any running task (one a child's answer started is held at its next
+        turn boundary: R-TREE-2) and wait until it has finished writing (R-HOST-3); accept
+        no more work. A task that waits only for people (parked) is not interrupted: its
+        request stays pending in the trace, asked again when the session is loaded (R-HITL-1)."""
         port = self._port
         if not (port.parked or port.held):
             # A closing host closes every node on its own (a parked one stays pending);
@@ -899,9 +899,9 @@ def _interrupt(
     """Interrupt ``port``'s task. Scope ``tree`` ends its live children's trees. ``asked``
     (:meth:`Session.interrupt`) also ends a task its host stopped under, and with scope
     ``tree`` the descendants the live trees leave out. A close ends the live trees alone:
-    a taken-up child that waits for people stays pending, and a task its host stopped
-    under stays open in its trace."""
-    interrupt = InterruptTask(reason=reason, scope=scope)
+    a taken-up child that waits for people stays pending, a task its host stopped under
+    stays open in its trace, and one a child's answer started is held (``closing``)."""
+    interrupt = InterruptTask(reason=reason, scope=scope, closing=not asked)
     hit = port.deliver(interrupt)
     if not hit and asked and port.host.is_open():
         # Its trace leaves a task running, or input recorded and not started, as its host

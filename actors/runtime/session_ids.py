@@ -68,11 +68,18 @@ class OpeningSessions(Generic[S]):
         session after the close looked at the open ones)."""
         return [*self._open, *(i for i in self._opening if i not in self._open)]
 
-    async def settled(self, session_id: str) -> S | None:
+    async def settled(
+        self, session_id: str, still_open: Callable[[], None] | None = None
+    ) -> S | None:
         """The open session ``session_id`` once no creation or load of it is under way;
-        None when it is not open (then none was, or that attempt failed)."""
+        None when it is not open (then none was, or that attempt failed). ``still_open``
+        (a host's ``check_open``) is called then, and raises to refuse: a load that waited
+        for another may go on only while its host is open — once the host's close has
+        listed what it closes (:meth:`every_id`), a session it opened would stay open."""
         while (opening := self._opening.get(session_id)) is not None:
             await opening.wait()
+        if still_open is not None:
+            still_open()
         return self._open.get(session_id)
 
     @contextlib.asynccontextmanager

@@ -351,7 +351,9 @@ class Subagents:
                     content = (TextBlock(text=text),)
                     # The follow-up it starts when the parent is idle runs with the
                     # approvals of the task that spawned it.
-                    follow_up = TaskInput(content=content, approve=approve, thinking_level=None)
+                    follow_up = TaskInput(
+                        content=content, approve=approve, thinking_level=None, report=True
+                    )
                     told = tell(
                         parent,
                         SubagentFinished(session_id=child.id, content=content, follow_up=follow_up),

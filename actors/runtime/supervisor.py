@@ -33,8 +33,10 @@ inside a ``spawn_subagent`` call's task (:func:`run_child`), or, in the backgrou
 host's nursery like any session's (:func:`start`); its outputs come back through this
 supervisor's inbox (``SubagentOutputs``) as live outputs of this run, tagged with their
 ``origin`` and never traced here, and a background child's end as ``SubagentFinished``:
-steering of the open task, or a follow-up (R-TREE-2). An interrupt of scope ``tree`` ends
-the session's running children too (:func:`~greenroom.actors.runtime.tree.end_subtree`).
+steering of the open task, or a follow-up (R-TREE-2), which the session's close holds at its
+next turn boundary rather than ending it (:func:`_close_holds`). An interrupt of scope
+``tree`` ends the session's running children too
+(:func:`~greenroom.actors.runtime.tree.end_subtree`).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar, assert_never
 
+import attrs
 import trio
 
 from greenroom.actors.runtime.attachments import attach, has_images
@@ -135,6 +138,11 @@ STALE_QUEUE = "not taken up after the session's host stopped; new work started"
 next work starts without them (nobody took them up: ``Host.resume`` would have queued
 them), as its open task is then recovered as interrupted (R-TRACE-4)."""
 
+CLOSE_HOLD_S = 10.0
+"""Bound on how long a session's close lets a task that a background child's answer
+started go on to its next turn boundary (:func:`_close_holds`) before interrupting it:
+well within the host's shutdown bound (``host.SHUTDOWN_GRACE_S``)."""
+
 ABORT_GRACE_S = 2.0
 """Bound on the shielded teardown after a task: writing its last records (``abort``,
 ``task_end``) and syncing the trace. Well above the usual few milliseconds, far below a
@@ -174,6 +182,7 @@ class SessionSupervisor:
         self._done_token = 0
         self._boundary_synced: tuple[str | None, int] = (None, 0)
         self._parked = False
+        self._closing = False  # the close holds its task at its next boundary
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -191,7 +200,7 @@ class SessionSupervisor:
                 await self._loop()
             finally:
                 _make_idle(self._port, self.inbox)
-                _pass_on_leftovers(self._port, self._inbox)
+                _pass_on_leftovers(self._port, self._inbox, self._out)
                 with trio.CancelScope(shield=True):
                     if self._task is not None:
                         await self._task.stop_work()
@@ -269,12 +278,12 @@ class SessionSupervisor:
             case Compact(reason=reason):
                 self._running().start_compaction(reason)
             case BeginTurn(turn=turn, steering=steering, steering_ids=ids):
-                if holds_for_drain(self._port):
+                if _holds(self._port, self._closing):
                     return await self._hold(steering, ids)
                 await self._begin_turn(turn, steering, ids)
             case BeginAttempt(attempt=attempt, delay_ms=delay_ms):
                 # A retry takes no steering: with some queued, a later boundary records it.
-                if holds_for_drain(self._port) and not machine.steering_queued:
+                if _holds(self._port, self._closing) and not machine.steering_queued:
                     return await self._hold((), ())
                 self._running().begin_attempt(attempt, delay_ms)
             case CallHook():
@@ -340,12 +349,10 @@ class SessionSupervisor:
             case TaskQueued():
                 _queue_task(self._out, self._port, message)
             case InterruptTask():
-                # A node's own interrupt leaves its background children running: their
-                # answers still reach it, as follow-ups (a closing host's: recorded queued).
-                node = message.scope == "node"
-                _interrupt(self._out, self._port, message.reason, keep_answers=node)
-                if message.scope == "tree":
-                    end_subtree(self._port, "parent task interrupted")
+                held = _close_holds(self._port, message, task, self._nursery, self.inbox)
+                self._closing = self._closing or held
+                if not held:
+                    _interrupt(self._out, self._port, message)
             case BackoffSkipped():
                 if task is not None:
                     task.skip_backoff()
@@ -449,7 +456,7 @@ class SessionSupervisor:
         task, self._task = self._running(), None
         port.parked_task = await task.park(self._output, self._cancel_event)
         port.held = True
-        self._parked = True
+        self._parked = _keeps_reader(port, self._closing)
         return True
 
     async def _end_task(
@@ -517,7 +524,7 @@ class SessionSupervisor:
     async def _park(self) -> None:
         task, self._task = self._running(), None
         self._port.parked_task = await task.park(self._output, self._cancel_event)
-        self._parked = True
+        self._parked = _keeps_reader(self._port, self._closing)
 
     async def _resume(self) -> None:
         """Take up the session's open task: woken from parking, or loaded after its host
@@ -696,11 +703,69 @@ def _drop_recorded(
                                   queue_ids=ids, reason=reason))
 
 
-def _interrupt(out: OutputEmitter, port: SessionPort, reason: str, *, keep_answers: bool) -> None:
+def _interrupt(out: OutputEmitter, port: SessionPort, message: InterruptTask) -> None:
     """Interrupt the open task and drop the queue (R-ABORT-1), the recorded follow-ups with
-    it: a host that takes the session up later does not run them."""
-    _drop_recorded(out, port, f"interrupted: {reason}")
-    port.machine.interrupt(reason, keep_answers=keep_answers)
+    it: a host that takes the session up later does not run them. Scope ``tree`` ends the
+    live subtree too. A node's own interrupt leaves its background children running: their
+    answers still reach it, as follow-ups (a closing host's: recorded queued)."""
+    _drop_recorded(out, port, f"interrupted: {message.reason}")
+    port.machine.interrupt(message.reason, keep_answers=message.scope == "node")
+    if message.scope == "tree":
+        end_subtree(port, "parent task interrupted")
+
+
+def _close_holds(
+    port: SessionPort,
+    message: InterruptTask,
+    task: RunningTask | None,
+    nursery: trio.Nursery | None,
+    inbox: trio.MemorySendChannel[SupervisorMessage],
+) -> bool:
+    """Whether ``message``, the session's close, holds ``task`` at its next turn boundary
+    (:func:`_holds`) instead of ending it: the task's prompt is a background child's
+    answer (R-TREE-2), in the trace already — ended, nobody would answer it, as no host
+    takes an ended task up. Held, it stays open in its trace, as a drain leaves a task
+    (R-DRAIN-1): the next host's ``resume_tasks`` goes on with it, nothing re-run, and an
+    answer that ends it first (no more turns) ends it here. A task not held within
+    :data:`CLOSE_HOLD_S` is interrupted then; the close's scope ``tree`` ends the live
+    subtree at once, as it would have."""
+    input_ = task.task if task is not None else None
+    if not (message.closing and input_ is not None and input_.report and nursery is not None):
+        return False
+    if message.scope == "tree":
+        end_subtree(port, "parent task interrupted")
+    interrupt = InterruptTask(reason=message.reason, scope="node")
+    nursery.start_soon(_send_after, inbox, interrupt, CLOSE_HOLD_S)
+    return True
+
+
+def _holds(port: SessionPort, closing: bool) -> bool:
+    """Whether ``port``'s task stops at this turn boundary, open in its trace: its host
+    drains (R-DRAIN-1), or its close holds it (``closing``: :func:`_close_holds`) and
+    every task queued behind it is in its trace. One in this host's memory alone (another
+    child's answer, queued as a task) would be lost with the held task: the task runs on,
+    and its end records that answer queued (:func:`_leave_answers`)."""
+    if holds_for_drain(port):
+        return True
+    queued = port.machine.queued_tasks
+    return closing and all(isinstance(t, TaskInput) and t.queued_id for t in queued)
+
+
+def _keeps_reader(port: SessionPort, closing: bool) -> bool:
+    """Whether the reader of ``port``'s run, its task now parked or held, waits on for the
+    task to wake: not once its close held it (``closing``), which a reader would wait
+    for in vain — the task goes on only where the session is loaded again."""
+    if closing and port.parked_task is not None:
+        port.parked_task = attrs.evolve(port.parked_task, output=None)
+    return not closing
+
+
+async def _send_after(
+    inbox: trio.MemorySendChannel[SupervisorMessage], message: SupervisorMessage, delay_s: float
+) -> None:
+    await trio.sleep(delay_s)
+    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+        inbox.send_nowait(message)
 
 
 def _refused(
@@ -838,11 +903,12 @@ def _run_late_steering(
 
 
 def _pass_on_leftovers(
-    port: SessionPort, inbox: trio.MemoryReceiveChannel[SupervisorMessage]
+    port: SessionPort, inbox: trio.MemoryReceiveChannel[SupervisorMessage], out: OutputEmitter
 ) -> None:
     """Messages that came after the last look at the inbox (while a task parked, say)
     reach the session's next supervisor; an answer nobody can take any more is
-    refused, so that no one waits for it."""
+    refused, so that no one waits for it. A child's answer to a closing session is
+    recorded queued, as :func:`_take_answer` records it, for the next host."""
     while True:
         try:
             message = inbox.receive_nowait()
@@ -851,7 +917,9 @@ def _pass_on_leftovers(
         if port.deliver(message):
             continue
         if isinstance(message, SubagentFinished):
-            tell(port, message)  # the session is idle now: a follow-up of its own
+            # The session is idle now: a follow-up of its own.
+            if not tell(port, message) and port.closed:
+                out.emit(queued_record(port, message.follow_up)[1])
             continue
         if isinstance(message, SteeringQueued | TaskQueued):
             # Never recorded, and nothing runs it: whoever waits for it is told so.
