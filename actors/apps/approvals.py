@@ -84,12 +84,12 @@ from greenroom.actors.apps.run import (
     is_default_data_dir,
     mcp_servers,
     prepare_options,
-    read_regular_file,
     report_shell_confinement,
     stdout_for_renderer,
 )
 from greenroom.actors.runtime import (
     ConfigurationError,
+    Disk,
     FileTraceStore,
     Host,
     NotPending,
@@ -423,7 +423,7 @@ def _stored_tool_names(data_dir: Path, session_id: str) -> list[str]:
     reports that properly when it loads the session)."""
     try:
         path = SessionStore(data_dir).meta_path(session_id)
-        meta = json.loads(read_regular_file(path, max_bytes=None).decode("utf-8"))
+        meta = json.loads(Disk().read(path).decode("utf-8"))
     except (OSError, ValueError):  # a FIFO too: refused, never waited on
         return []
     names = meta.get("tools") if isinstance(meta, dict) else None

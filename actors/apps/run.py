@@ -49,6 +49,7 @@ from greenroom.actors.runtime import (
     AuthLocked,
     Busy,
     ConfigurationError,
+    Disk,
     GreenroomError,
     Host,
     ProviderLimits,
@@ -240,28 +241,27 @@ def prompt_from_stdin() -> str:
         ) from None
 
 
-def flag_file_problem(
-    status: os.stat_result, max_bytes: int | None = MAX_INPUT_BYTES
-) -> str | None:
+def flag_file_problem(status: os.stat_result, max_bytes: int = MAX_INPUT_BYTES) -> str | None:
     """Why a file with ``status`` cannot be a flag's file, in the words of ``strerror``:
     a FIFO or a device would be waited on or read for ever, so only regular files (and,
     for the callers' own message, directories) pass; a regular one must fit in
-    ``max_bytes`` (None: any size, for files greenroom wrote itself, such as traces)."""
+    ``max_bytes``."""
     mode = status.st_mode
     if stat.S_ISDIR(mode):
         return os.strerror(errno.EISDIR)
     if not stat.S_ISREG(mode):
         return special_file_words(mode)
-    if max_bytes is not None and status.st_size > max_bytes:
+    if status.st_size > max_bytes:
         return f"it is larger than {mib(max_bytes)}"
     return None
 
 
-def read_regular_file(path: str | Path, *, max_bytes: int | None = MAX_INPUT_BYTES) -> bytes:
+def read_regular_file(path: str | Path, *, max_bytes: int = MAX_INPUT_BYTES) -> bytes:
     """The bytes of the file at ``path`` (``~`` expanded), read once from the file opened:
     raises :class:`OSError` (``strerror`` says why, ``filename`` is ``path``) when it cannot
     be opened, is not a regular file (refused before any read: opening does not wait for a
-    FIFO's writer) or holds more than ``max_bytes`` (None: no bound)."""
+    FIFO's writer) or holds more than ``max_bytes``. (A file the host wrote, of any size,
+    is read by :meth:`Disk.read`.)"""
     where = str(path)
     target = Path(path).expanduser()
     problem = flag_file_problem(os.stat(target), max_bytes)
@@ -272,9 +272,6 @@ def read_regular_file(path: str | Path, *, max_bytes: int | None = MAX_INPUT_BYT
         problem = flag_file_problem(os.fstat(fd), max_bytes)  # what was opened, if changed
         if problem is not None:
             raise OSError(errno.EINVAL, problem, where)
-        if max_bytes is None:
-            with os.fdopen(os.dup(fd), "rb") as file:
-                return file.read()
         chunks: list[bytes] = []
         size = 0
         # Up to one byte past the bound: a file in /proc says its size is 0.
@@ -551,7 +548,7 @@ def _stored_settings(data_dir: Path, session_id: str) -> dict[str, Any]:
     reports the missing session properly, and one that is not a regular file as such)."""
     try:
         path = SessionStore(data_dir).meta_path(session_id)
-        meta = json.loads(read_regular_file(path, max_bytes=None).decode("utf-8"))
+        meta = json.loads(Disk().read(path).decode("utf-8"))
     except (OSError, ValueError):
         return {}
     settings = meta.get("settings") if isinstance(meta, dict) else None

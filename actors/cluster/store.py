@@ -553,6 +553,10 @@ class ReplicatingTraceLog:
         self._retire(self._stopped.pop(session_id, None))
         self.files.release(session_id)
 
+    def cut_short(self, session_id: str) -> trio.Event | None:
+        """As the file log (a close cut short: the release comes later)."""
+        return self.files.cut_short(session_id)
+
     def location(self, session_id: str) -> Path:
         """As the file log."""
         return self.files.location(session_id)

@@ -919,12 +919,53 @@ def _interrupt(
 async def _settle_then_end_watches(port: SessionPort) -> None:
     """A closing session's last step: once its task is idle and its trace synced, its
     watches end — also when the host's shutdown bound cuts that short, or a watcher (a
-    task of the host's) would hold the host's nursery open."""
+    task of the host's) would hold the host's nursery open. Cut short, its trace is let
+    go later (:func:`_release_once_settled`)."""
     try:
         await port.wait_idle()
         await port.sync_trace_quietly()
+    except BaseException:
+        _release_once_settled(port)
+        raise
     finally:
         port.end_watches()
+
+
+def _release_once_settled(port: SessionPort) -> None:
+    """The close of ``port``'s session was cut short (its caller was cancelled): the host
+    forgets the session without releasing its trace, which its ending task may still
+    write. A task of the host's releases it — the trace log's position and the writer
+    lock that keeps other hosts on the data dir out (R-TRACE) — as the close would have:
+    once that task has ended and the trace is synced, never before (two writers). That
+    is for a log that keeps writer locks (``cut_short``: the file log), which holds a load
+    of the session here until then; another one keeps the session until it closes."""
+    log = port.host.trace_log
+    cut_short: Callable[[str], trio.Event | None] | None = getattr(log, "cut_short", None)
+    if cut_short is None:
+        return
+    let_go: trio.Event | None = None
+
+    async def settle_then_release() -> None:
+        async with trio.open_nursery() as nursery:
+            if let_go is not None:
+                # The store's close lets every lock go: a sync that hangs past the host's
+                # shutdown bound must not hold the host's nursery open for ever.
+                nursery.start_soon(_cancel_when_set, let_go, nursery.cancel_scope)
+            await port.wait_idle()
+            await port.sync_trace_quietly()
+            log.release(port.id)
+            nursery.cancel_scope.cancel()
+
+    try:
+        port.host.start_task(settle_then_release)
+    except RuntimeError:
+        return  # the host's nursery has ended: its store closed, letting every lock go
+    let_go = cut_short(port.id)
+
+
+async def _cancel_when_set(event: trio.Event, scope: trio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
 
 
 async def _title(port: SessionPort, max_chars: int) -> str:

@@ -70,6 +70,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -98,6 +99,7 @@ from greenroom.actors.runtime.storage import (
 )
 from greenroom.actors.runtime.trace_sink import (
     TraceSink,
+    TraceSinkClosed,
     TraceWriteError,
     latest_trace_file,
     read_trace,
@@ -116,6 +118,8 @@ from greenroom.protocols.trace import (
     trace_file_number,
 )
 from greenroom.protocols.wording import special_file_words
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "WRITER_LOCK_FILE",
@@ -240,7 +244,9 @@ class TraceLog(Protocol):
 
     Appending needs the session's position: :meth:`start` for a new session, :meth:`load`
     for a stored one; :meth:`release` forgets it. Appending for any other session is a
-    bug (KeyError).
+    bug (KeyError). A log that keeps a writer lock on each session it writes (the file
+    log) also offers ``cut_short(session_id)`` (:meth:`FileTraceLog.cut_short`): a close
+    of the session was cut short, and its :meth:`release` comes once its work has ended.
     """
 
     def start(self, session_id: str) -> None:
@@ -505,6 +511,10 @@ class FileTraceLog:
         self._positions: dict[str, _Position] = {}
         self._writing: dict[str, int] = {}
         """The lock (:data:`WRITER_LOCK_FILE`) held on each session this log writes."""
+        self._cut_short: dict[str, trio.Event] = {}
+        """Sessions whose close was cut short, kept until their work can write no more
+        (:meth:`cut_short`); set as the log lets them go."""
+        self._warned_unlocked = False
 
     def start(self, session_id: str) -> None:
         """Appends go to ``trace_001.jsonl`` from ``seq`` 1."""
@@ -515,7 +525,14 @@ class FileTraceLog:
 
     async def load(self, session_id: str) -> LoadedTrace:
         """Tighten the directory's modes, read the latest trace file. Raises
-        :class:`SessionOpenElsewhere` while another log writes the session."""
+        :class:`SessionOpenElsewhere` while another log writes the session. A session
+        whose close was cut short is loaded once its work has ended and it was let go
+        (:meth:`cut_short`): its trace then holds all that work wrote, and it has one
+        writer."""
+        while (cut := self._cut_short.get(session_id)) is not None:
+            await cut.wait()
+            if self.sink.closed:  # woken by the store's close: its locks are let go
+                raise TraceSinkClosed(f"the trace store closed; cannot load {session_id}")
         directory = self.paths.session_dir(session_id)
         await trio.to_thread.run_sync(_tighten_session_dir, directory)
         await trio.to_thread.run_sync(self._hold, session_id)
@@ -672,6 +689,19 @@ class FileTraceLog:
             self.sink.release(position.path)
         self._let_go(session_id)
 
+    def cut_short(self, session_id: str) -> trio.Event | None:
+        """The host's close of the session was cut short (its caller was cancelled) while
+        the session's ending work may still write its trace: the position and the writer
+        lock stay until :meth:`release`, which comes once that work can write no more
+        (``Session.aclose``). Until then a :meth:`load` of the session waits: a second
+        position of it in this log would be a second writer, and the release would take
+        its position and its lock from under it. Returns the event set once the log lets
+        the session go (its release, or the store's close); None when it holds nothing of
+        it."""
+        if session_id not in self._positions:
+            return None
+        return self._cut_short.setdefault(session_id, trio.Event())
+
     async def discard(self, session_id: str) -> None:
         """The session is being deleted: make what was written for it durable (a failure
         is of no use any more), then forget it, in the sink too."""
@@ -690,7 +720,8 @@ class FileTraceLog:
         :data:`WRITER_LOCK_FILE` in its directory), kept until :meth:`release`: two hosts
         on one data dir — a server and ``greenroom approve``, say — would both append
         (one seq twice) and run a call each. Raises :class:`SessionOpenElsewhere` when
-        another one holds it. A file system without locks is written as before."""
+        another one holds it. A file system without locks is written as before, and the
+        log says so once (:meth:`_unlocked`)."""
         if session_id in self._writing:
             return
         path = self.paths.session_dir(session_id) / WRITER_LOCK_FILE
@@ -705,20 +736,41 @@ class FileTraceLog:
                 f"session {session_id} is open in another host on this data dir (another "
                 "process?): answer, steer or run it through that host"
             ) from None
-        except OSError:
+        except OSError as exc:
             os.close(fd)  # locks not supported here (some network file systems)
+            self._unlocked(exc)
             return
         self._writing[session_id] = fd
+
+    def _unlocked(self, exc: OSError) -> None:
+        """A session is written without its lock: the host's log says so, once (every
+        session of the data dir is then): nothing else tells its user that another host
+        on the data dir would not be kept out."""
+        if self._warned_unlocked:
+            return
+        self._warned_unlocked = True
+        logger.warning(
+            "data dir %s: its file system does not lock files (%s): sessions open in this "
+            "host are written without their writer lock, so another host on the data dir "
+            "is not kept from writing them too",
+            self.paths.data_dir,
+            exc.strerror or exc,
+        )
 
     def let_go_all(self) -> None:
         """Let go of every session's writer lock: the store closes (its sink wrote all)."""
         for session_id in list(self._writing):
             self._let_go(session_id)
+        for cut in self._cut_short.values():  # a load waiting for one goes on, and ends
+            cut.set()
+        self._cut_short.clear()
 
     def _let_go(self, session_id: str) -> None:
         fd = self._writing.pop(session_id, None)
         if fd is not None:
             os.close(fd)  # which drops the lock
+        if (cut := self._cut_short.pop(session_id, None)) is not None:
+            cut.set()
 
     def _position(self, session_id: str) -> _Position:
         position = self._positions.get(session_id)
