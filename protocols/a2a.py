@@ -20,10 +20,12 @@ The mapping, in one place:
   the history shows as the user's turn once the call has it as its result (a running
   call's answer is not traced: the history says only that it was answered or declined).
   A question is declined by a ``{"decision": "deny"}`` data part (:func:`declines`),
-  never by its text: ``deny`` may be the answer itself. A running call's is denied; the
-  model's own (``ask_user``) gets :data:`~greenroom.protocols.markers.DECLINED_ANSWER` as
-  its result, as AG-UI's ``cancelled`` resume gives it; either shows in the history as
-  ``{"call_id": …, "question": "declined"}``.
+  never by its text: ``deny`` may be the answer itself, and so may any words. Either kind
+  is denied (the model's own, ``ask_user``, then reads
+  :data:`~greenroom.protocols.markers.DECLINED_ANSWER` as its result), and its ``deny``
+  shows in the history as ``{"call_id": …, "question": "declined"}``. Only the decision
+  says declined: a result's text never does (in a trace written before a decline of
+  ``ask_user`` was a ``deny``, it is an answer of those words, and shows as one).
   Each request and each answer is a message of its own id, also when one call is asked
   twice (its approval, then its question).
 * The runtime's own input to a task (the "host lost" note a task resumed after its host
@@ -46,7 +48,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal, assert_never
 
 from greenroom.protocols.content import ImageBlock, TextBlock, ToolCallBlock
-from greenroom.protocols.markers import DECLINED_ANSWER, HOST_LOST_CONTINUATION
+from greenroom.protocols.markers import HOST_LOST_CONTINUATION
 from greenroom.protocols.outputs import (
     Abort,
     ApprovalDecision,
@@ -457,11 +459,12 @@ class TaskFold:
                 # the call's result, written as the user's turn when it comes.
                 asked = question and output.call_id not in self.decided
                 self.decided.add(output.call_id)
-                if output.by == "client" and asked:
+                if output.by == "client" and asked and output.decision == "allow":
                     self._answered.add(output.call_id)
                 elif output.by == "client" and question:
-                    # A running call's question (an MCP elicitation): its ``allow`` and
-                    # ``deny`` say answered or declined; the answer went to the call alone.
+                    # A running call's question (an MCP elicitation), or any declined: its
+                    # ``allow`` and ``deny`` say answered or declined; a running call's
+                    # answer went to the call alone.
                     answer = "answered" if output.decision == "allow" else "declined"
                     replied = {"call_id": output.call_id, "question": answer}
                     self._user_answer(output.call_id, [data_part(replied)])
@@ -568,12 +571,7 @@ class TaskFold:
     def _tool_result(self, output: ToolCallOutput) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
         text = "\n".join(b.text for b in output.content if isinstance(b, TextBlock))
-        if output.call_id in self._answered and text == DECLINED_ANSWER:
-            # Declined: the words are the model's to read, not what the user said.
-            self._answered.discard(output.call_id)
-            declined = {"call_id": output.call_id, "question": "declined"}
-            self._user_answer(output.call_id, [data_part(declined)])
-        elif output.call_id in self._answered:
+        if output.call_id in self._answered:
             self._answered.discard(output.call_id)
             answer = {"call_id": output.call_id, "answer": text}
             self._user_answer(output.call_id, [text_part(text), data_part(answer)])

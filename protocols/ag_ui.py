@@ -52,7 +52,6 @@ from typing import Any, assert_never
 
 from greenroom.protocols.a2a import question_choices
 from greenroom.protocols.content import TextBlock, ToolCallBlock
-from greenroom.protocols.markers import DECLINED_ANSWER
 from greenroom.protocols.mcp_config import schema_problem
 from greenroom.protocols.outputs import (
     Abort,
@@ -121,23 +120,18 @@ class ResumeError(ValueError):
     """A ``resume`` entry that answers nothing greenroom can take (its message says why)."""
 
 
-def parse_resume(
-    entry: Mapping[str, Any], kind: str, *, declinable: bool = False
-) -> tuple[Verdict, None] | tuple[None, str]:
+def parse_resume(entry: Mapping[str, Any], kind: str) -> tuple[Verdict, None] | tuple[None, str]:
     """The answer a ``resume`` entry gives an interrupt of ``kind``: a verdict for an
     approval (``payload.decision``, or ``payload`` ``true``/``false``/a decision word; a
-    ``cancelled`` entry denies), the text for a question (``payload.answer`` or a string).
-    A ``cancelled`` entry declines a ``declinable`` question (one a running call asks, an
-    MCP elicitation: ``deny``); the model's own question has no decline, and is told the
-    person declined (:data:`~greenroom.protocols.markers.DECLINED_ANSWER`). Raises
-    :class:`ResumeError` for a payload that gives neither."""
+    ``cancelled`` entry denies), the text for a question (``payload.answer`` or a string),
+    whatever it says. A ``cancelled`` entry declines a question: ``deny`` (the model's own,
+    ``ask_user``, then reads :data:`~greenroom.protocols.markers.DECLINED_ANSWER` as its
+    result). Raises :class:`ResumeError` for a payload that gives neither."""
     status = entry.get("status")
     payload = entry.get("payload")
     if kind == "question":
-        if status == "cancelled" and declinable:
-            return "deny", None
         if status == "cancelled":
-            return None, DECLINED_ANSWER
+            return "deny", None
         answer = payload.get("answer") if isinstance(payload, Mapping) else payload
         if isinstance(answer, str):
             return None, answer

@@ -72,9 +72,10 @@ NO_ANSWER_TEXT = "No one answered the question in time; go on without the answer
 """The result of an ``ask_user`` call whose wait for a person ran out (R-HITL-5)."""
 
 DECLINED_ANSWER = "(the person declined to answer)"
-"""The result of an ``ask_user`` call a person declined (AG-UI's ``cancelled`` resume, an
-A2A ``{"decision": "deny"}`` data part): the model's own question has no decline of its
-own, so the model is told in words; any question's choices admit it (R-HITL-5)."""
+"""The result of an ``ask_user`` call a person declined (a ``deny``: AG-UI's ``cancelled``
+resume, an A2A ``{"decision": "deny"}`` data part, ``host.answer_approval``): the model is
+told in words. The decline is the ``approval_decision`` ``deny`` the trace keeps, never these
+words: a person's answer that says them is an answer like any other (R-HITL-5)."""
 
 HOST_LOST_STREAM = "the host stopped while the model was answering; the request is sent again"
 """The ``request_end`` message of an attempt its host lost (it is retried, R-RETRY-4)."""

@@ -61,13 +61,11 @@ from greenroom.actors.gateway.queue_room import NOT_HANDED_OVER, check_open
 from greenroom.actors.providers import read_image
 from greenroom.actors.runtime.client_tools_file import replace_private_file
 from greenroom.actors.runtime.errors import GreenroomError, SessionNotFound
-from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.session import Session
 from greenroom.protocols import a2a, jsonrpc
 from greenroom.protocols.content import ImageBlock, TextBlock
 from greenroom.protocols.context import ImageSource
 from greenroom.protocols.jsonrpc import Request, RpcError
-from greenroom.protocols.markers import DECLINED_ANSWER
 from greenroom.protocols.outputs import ApprovalRequest, Output, ToolCallOutput
 
 __all__ = ["A2A_PATH", "CARD_PATH", "MESSAGE_IDS_FILE", "A2aEndpoint"]
@@ -511,7 +509,7 @@ class A2aEndpoint:
             mine = [d for d in data if d.get("call_id") in (None, request.call_id)]
             if request.kind == "question" and a2a.declines(mine):
                 # Declined by a data part only: a text "deny" may be the answer itself.
-                await _decline(host, session.id, request.call_id, fold, principal)
+                await host.answer_approval(session.id, request.call_id, "deny", by=principal)
             elif request.kind == "question":
                 await host.answer_question(session.id, request.call_id, text, by=principal)
             else:
@@ -525,19 +523,6 @@ class A2aEndpoint:
                 await host.answer_approval(session.id, request.call_id, verdict, by=principal)
             answered.append(request)
         return answered
-
-
-async def _decline(
-    host: Host, session_id: str, call_id: str, fold: a2a.TaskFold, principal: str
-) -> None:
-    """Decline the question of ``call_id`` as ``principal``: a running call's (an MCP
-    elicitation: asked once its call was decided) is denied; the model's own (``ask_user``)
-    has no decline, and its result tells the model the person declined, in the words an
-    AG-UI ``cancelled`` resume gives it."""
-    if call_id in fold.decided:
-        await host.answer_approval(session_id, call_id, "deny", by=principal)
-    else:
-        await host.answer_question(session_id, call_id, DECLINED_ANSWER, by=principal)
 
 
 class _Deliveries:

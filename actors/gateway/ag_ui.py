@@ -72,7 +72,7 @@ from greenroom.actors.runtime.session import Session, client_tools_problem
 from greenroom.protocols import ag_ui, jsonrpc
 from greenroom.protocols.content import TextBlock, UserContent
 from greenroom.protocols.jsonrpc import RpcError
-from greenroom.protocols.outputs import ApprovalDecision, ApprovalRequest, Output
+from greenroom.protocols.outputs import ApprovalRequest, Output
 from greenroom.protocols.people import PendingApproval, Verdict
 from greenroom.protocols.settings import DEFAULT_MAX_IMAGE_BYTES
 from greenroom.protocols.tools import Tool, client_tool, value_too_deep
@@ -317,9 +317,8 @@ class AgUiEndpoint:
         records = await replay_records(session, 0)
         for entry in entries:
             request = pending[entry.interrupt_id]
-            declinable = _asked_while_running(records, request.call_id)
             try:
-                answer = ag_ui.parse_resume(entry.model_dump(), request.kind, declinable=declinable)
+                answer = ag_ui.parse_resume(entry.model_dump(), request.kind)
             except ag_ui.ResumeError as exc:
                 raise _Refused(400, f"$.resume[{entry.interrupt_id}]: {exc}") from None
             answers.append((request, answer))
@@ -443,21 +442,6 @@ def _loaded_again(session: Session) -> Session | None:
     except SessionNotFound:
         return None
     return None if listed is session else listed
-
-
-def _asked_while_running(records: list[Any], call_id: str) -> bool:
-    """Whether the latest request of ``call_id`` is one the call asked while it ran (an
-    MCP elicitation, which may be declined): the call was decided before it was asked.
-    The model's own question (``ask_user``) is asked before its call is decided."""
-    decided = asked_running = False
-    for record in records:
-        if record.origin is not None or getattr(record, "call_id", None) != call_id:
-            continue
-        if isinstance(record, ApprovalDecision):
-            decided = True
-        elif isinstance(record, ApprovalRequest):
-            asked_running = decided
-    return asked_running
 
 
 def _asked_before(records: list[Any], request: PendingApproval, after: int) -> bool:

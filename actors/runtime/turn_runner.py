@@ -143,6 +143,23 @@ def _reply(reply: Any, answer: QuestionAnswered) -> None:
     reply.close()
 
 
+def _question_decided(request: ApprovalRequest, answer: PersonAnswered) -> str | dict[str, Any]:
+    """How ``answer`` decides the model's own question (``ask_user``, R-HITL-5): the
+    arguments of :meth:`TurnMachine.decide` besides who decided, or why it is refused. A
+    person's text is their answer whatever it says, held to the question's choices; their
+    ``deny`` declines it, a deny the trace keeps as such, whose result tells the model in
+    words (:data:`~greenroom.protocols.markers.DECLINED_ANSWER`); the timeout's answer
+    tells the model nobody answered."""
+    if answer.by != "client":
+        return {"allowed": True, "answer": markers.NO_ANSWER_TEXT}
+    if answer.verdict == "deny":
+        return {"allowed": False, "denied_text": markers.DECLINED_ANSWER}
+    if answer.text is None:
+        return "is a question: answer it with text, or deny it to decline"
+    problem = answer_problem(request.arguments, answer.text)
+    return problem if problem is not None else {"allowed": True, "answer": answer.text}
+
+
 class TurnRunner:
     """The turns of one task of ``port`` (see the module docstring)."""
 
@@ -404,17 +421,10 @@ class TurnRunner:
             return f"call {call_id!r} has other arguments than the ones that were shown"
         by, principal = answer.by, answer.principal
         if request.kind == "question":
-            text = answer.text if answer.by == "client" else markers.NO_ANSWER_TEXT
-            if text is None:
-                return f"call {call_id!r} is a question: answer it with text"
-            # A decline is none of the choices, and need not be: the model is told so (R-HITL-5).
-            unchecked = answer.by != "client" or text == markers.DECLINED_ANSWER
-            problem = None if unchecked else answer_problem(request.arguments, text)
-            if problem is not None:
-                return f"call {call_id!r} {problem}"
-            self.apply(
-                self.machine.decide(call_id, allowed=True, answer=text, by=by, principal=principal)
-            )
+            decided = _question_decided(request, answer)
+            if isinstance(decided, str):
+                return f"call {call_id!r} {decided}"
+            self.apply(self.machine.decide(call_id, by=by, principal=principal, **decided))
             return None
         verdict = answer.verdict or ("deny" if answer.by == "default" else None)
         if verdict is None:
