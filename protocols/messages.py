@@ -73,13 +73,15 @@ class ToolCallChecked:
     """Pool → supervisor: the ``check`` of call ``call_id``, in doubt, has answered
     (R-EFFECT-2): ``done`` with what it found (``status`` and ``content``: the call's
     result), ``not_done`` (the call runs again), or ``failed`` with ``error`` (the check
-    raised or ran out of time, or the tool has none now: another resolves the call)."""
+    raised or ran out of time, or the tool has none now: another resolves the call).
+    ``hook`` is what an ``after_tool`` hook did to what it found, if anything (R-HOOK-2)."""
 
     call_id: str
     outcome: Literal["done", "not_done", "failed"]
     status: ToolStatus = "ok"
     content: tuple[ToolContent, ...] = ()
     error: str | None = None
+    hook: ToolHookAction | None = None
 
 
 @attrs.frozen(kw_only=True, slots=True)

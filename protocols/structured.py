@@ -67,6 +67,7 @@ from greenroom.protocols.context import OutputFormat, ToolSchema
 from greenroom.protocols.errors import OutputSchemaError
 from greenroom.protocols.pattern import MAX_PROGRAM, Pattern, PatternError, compile_pattern
 from greenroom.protocols.text import json_type_name
+from greenroom.protocols.tools import MAX_ARGUMENT_DEPTH, json_text_too_deep
 
 __all__ = [
     "ANSWER_ACCEPTED_TEXT",
@@ -403,6 +404,10 @@ def validate(
         )
     except _TooCostly:
         return [*problems[: MAX_PROBLEMS - 1], TOO_COSTLY]
+    except RecursionError:
+        # Within both bounds a schema can still nest past Python's stack: a problem of
+        # the answer, never a failed task.
+        return [*problems[: MAX_PROBLEMS - 1], "$: nested too deeply to check"]
     return problems[:MAX_PROBLEMS]
 
 
@@ -505,11 +510,19 @@ class _Work:
         return self.patterns[source]
 
 
+MAX_SCHEMA_STEPS = 64
+"""How many sub-schemas (``$ref``, ``allOf``/``anyOf``/``oneOf``/``not``) one part of an
+answer is checked through, one inside the other: more is a ``$ref`` cycle that never
+reaches a part of the value (``nested too deeply``)."""
+
+
 class _Validator:
     """One validation: the root (for ``$ref``), the problems found so far and the work
-    left (:func:`check_budget`)."""
+    left (:func:`check_budget`). ``depth`` is how deep the part checked lies in the answer
+    (at most :data:`~greenroom.protocols.tools.MAX_ARGUMENT_DEPTH`, as any answer's),
+    ``steps`` the sub-schemas it is being checked through (:data:`MAX_SCHEMA_STEPS`)."""
 
-    __slots__ = ("_depth", "_work", "problems", "root")
+    __slots__ = ("_depth", "_steps", "_work", "problems", "root")
 
     def __init__(
         self,
@@ -517,10 +530,12 @@ class _Validator:
         problems: list[str],
         depth: int = 0,
         work: _Work | None = None,
+        steps: int = 0,
     ) -> None:
         self.root = root
         self.problems = problems
         self._depth = depth
+        self._steps = steps
         self._work = work if work is not None else _Work()
 
     def check(self, value: Any, schema: Any, path: str) -> None:
@@ -532,14 +547,28 @@ class _Validator:
             return
         if not isinstance(schema, Mapping) or len(self.problems) >= MAX_PROBLEMS:
             return
-        if self._depth > 64:  # a $ref cycle, or a value nested past any sane answer
+        # Counted apart: a recursive schema takes several steps for each level of its
+        # answer, and an answer as deep as any may be must be checked to its end.
+        too_deep = self._depth >= MAX_ARGUMENT_DEPTH and isinstance(value, dict | list)
+        if too_deep or self._steps > MAX_SCHEMA_STEPS:
             self.problems.append(f"{path}: nested too deeply")
             return
-        self._depth += 1
+        self._steps += 1
         try:
             self._check(value, schema, path)
         finally:
+            self._steps -= 1
+
+    def _member(self, value: Any, schema: Any, path: str) -> None:
+        """Check ``value``, a member of the value at hand, against ``schema``: a level
+        deeper in the answer, its steps through sub-schemas counted anew."""
+        steps, self._steps = self._steps, 0
+        self._depth += 1
+        try:
+            self.check(value, schema, path)
+        finally:
             self._depth -= 1
+            self._steps = steps
 
     def _check(self, value: Any, schema: Mapping[str, Any], path: str) -> None:
         ref = schema.get("$ref")
@@ -594,7 +623,7 @@ class _Validator:
 
     def _fails(self, value: Any, schema: Any, path: str) -> list[str]:
         """The problems of ``value`` against a sub-schema, kept apart."""
-        probe = _Validator(self.root, [], self._depth, self._work)
+        probe = _Validator(self.root, [], self._depth, self._work, self._steps)
         probe.check(value, schema, path)
         return probe.problems
 
@@ -639,11 +668,11 @@ class _Validator:
         for key, item in value.items():
             where = _key_path(path, key)
             if key in properties:
-                self.check(item, properties[key], where)
+                self._member(item, properties[key], where)
             elif additional is False:
                 self.problems.append(f"{where}: unexpected property")
             elif isinstance(additional, Mapping):
-                self.check(item, additional, where)
+                self._member(item, additional, where)
         low, high = schema.get("minProperties"), schema.get("maxProperties")
         if isinstance(low, int) and len(value) < low:
             self.problems.append(f"{path}: at least {low} properties expected, got {len(value)}")
@@ -658,11 +687,11 @@ class _Validator:
         done = 0
         if isinstance(prefix, list):
             for i, (item, sub) in enumerate(zip(value, prefix, strict=False)):
-                self.check(item, sub, f"{path}[{i}]")
+                self._member(item, sub, f"{path}[{i}]")
             done = min(len(prefix), len(value))
         if items is not None and items is not True:
             for i in range(done, len(value)):
-                self.check(value[i], items, f"{path}[{i}]")
+                self._member(value[i], items, f"{path}[{i}]")
         low, high = schema.get("minItems"), schema.get("maxItems")
         if isinstance(low, int) and len(value) < low:
             self.problems.append(f"{path}: at least {low} items expected, got {len(value)}")
@@ -730,21 +759,47 @@ def _multiple(value: float, step: float) -> bool:
 _FENCE = re.compile(r"^```(?:json)?\s*\n(.*)\n```\s*$", re.DOTALL)
 
 
+class _NotFinite(ValueError):
+    """``NaN``, ``Infinity`` or a number a float cannot hold (``1e999``) in an answer."""
+
+
+def _refuse_constant(name: str) -> Any:
+    raise _NotFinite(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _NotFinite(f"{text[:40]} is too large for a number")
+    return value
+
+
+# Python reads NaN and Infinity, which no other JSON reader takes back: an answer holding
+# them would be recorded, printed and sent to every client as text that is not JSON.
+_decode_answer = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite).decode
+
+
 def parse_text_answer(text: str) -> tuple[Any, list[str]]:
     """The JSON value of a message given as the answer (``(value, [])``), or why it is
-    not one (``(None, [problem])``). A whole-message Markdown code fence is taken off:
-    models without native structured output often add one."""
+    not one (``(None, [problem])``): no ``NaN`` or ``Infinity``, and nested no deeper
+    than a call's arguments may be (:data:`~greenroom.protocols.tools.MAX_ARGUMENT_DEPTH`
+    levels: every reader of the answer walks it recursively). A whole-message Markdown code
+    fence is taken off: models without native structured output often add one."""
     stripped = text.strip()
     fenced = _FENCE.match(stripped)
     if fenced is not None:
         stripped = fenced.group(1).strip()
     if not stripped:
         return None, ["$: the answer is empty: it must be JSON matching the output schema"]
+    if json_text_too_deep(stripped):
+        return None, [f"$: the answer nests deeper than {MAX_ARGUMENT_DEPTH} levels"]
     try:
-        return json.loads(stripped), []
+        return _decode_answer(stripped), []
     except (ValueError, RecursionError) as exc:
-        reason = f"{exc.msg} at character {exc.pos}" if isinstance(
-            exc, json.JSONDecodeError) else "not valid JSON"
+        if isinstance(exc, json.JSONDecodeError):
+            reason = f"{exc.msg} at character {exc.pos}"
+        else:
+            reason = str(exc) if isinstance(exc, _NotFinite) else "not valid JSON"
         return None, [f"$: the answer is not JSON ({reason})"]
 
 

@@ -20,7 +20,8 @@ first that can (:func:`~greenroom.protocols.effects.first_resolver`):
 
 A call a ``before_tool`` hook rewrote is checked, shown to a person and run once more as
 rewritten (R-HOOK-2): those arguments were approved and ran, and the task record keeps
-them from the call's ``tool_hook`` record.
+them from the call's ``tool_hook`` record. What a check found is the call's result: the
+session's ``after_tool`` hook sees it (in the pool), and what it did is recorded first.
 
 Every resolution is one ``call_resolved`` record, and then the call's result, or the
 call run once more with the same key: its second ``RunToolCall``, after the record that
@@ -42,6 +43,7 @@ import trio
 
 from greenroom.actors.runtime.emitter import OutputEmitter
 from greenroom.actors.runtime.port import SessionPort
+from greenroom.actors.runtime.tool_hooks import tool_hook_record
 from greenroom.protocols import markers
 from greenroom.protocols.content import TextBlock, ToolCallBlock, ToolContent
 from greenroom.protocols.effects import (
@@ -64,6 +66,7 @@ from greenroom.protocols.outputs import (
     CallResolved,
     Resolution,
     ResolvedBy,
+    ToolHook,
     ToolStatus,
 )
 from greenroom.protocols.people import arguments_digest
@@ -153,7 +156,7 @@ class CallsInDoubt:
                 self._resolve(self._turns.running_call(call), position, check_error=None)
         return in_doubt
 
-    def _record(self, output: CallInDoubt | CallResolved) -> None:
+    def _record(self, output: CallInDoubt | CallResolved | ToolHook) -> None:
         self._turns.apply([output])
 
     def _doubted(self, call_id: str) -> tuple[int, ToolCallBlock] | None:
@@ -273,6 +276,12 @@ class CallsInDoubt:
             # the task's end gives the call the note (settle).
             return
         if answer.outcome == "done":
+            hooked = tool_hook_record(
+                answer.hook, None, session_id=self._port.id, run_id=self._run_id,
+                call_id=call_id, calls=self._turns.machine.calls(), rewrites=None,
+            )  # fmt: skip
+            if hooked is not None:  # R-HOOK-2: before the result it explains
+                self._record(hooked)
             content = (TextBlock(text=markers.IN_DOUBT_FOUND_TEXT), *answer.content)
             self._resolved(
                 call_id, by="check", outcome="done", status=answer.status, content=content

@@ -20,9 +20,10 @@ cluster's trace carries (R-SEC-9).
 A rewrite's arguments are recorded too (the ``tool_hook`` record, a person's
 ``approval_request``): arguments larger than one record of the session's trace carries
 (``largest_record``: a cluster's NATS server) cannot be cut without changing the call, so
-such a rewrite is a hook error, as one that is no JSON object is: the call is denied, its
-result saying their size and the limit, and the session goes on (a record too large would
-stop it on its host).
+such a rewrite is a hook error, as one that is no JSON object is, or nests deeper than
+any call's arguments may (R-SEC-6: its record could not be encoded): the call is denied,
+its result saying why, and the session goes on (a record too large would stop it on its
+host).
 
 :func:`tool_hook_record` gives the ``tool_hook`` record of what a hook did. A call asked
 anew after its host stopped (a take-up) is decided afresh, and the latest decision is the
@@ -59,6 +60,7 @@ from greenroom.protocols.hooks import (
 )
 from greenroom.protocols.outputs import ToolHook, ToolHookName, ToolStatus
 from greenroom.protocols.text import repair_json, repair_text
+from greenroom.protocols.tools import MAX_ARGUMENT_DEPTH, value_too_deep
 from greenroom.protocols.trace import record_size
 
 __all__ = [
@@ -136,8 +138,8 @@ class ToolHookCalls:
                 return None, _action("before_tool", "deny", reason=answer.reason)
             if isinstance(answer, Rewrite):
                 arguments = _json_object(answer.arguments)
-                error = self._refused(arguments)
-                if error is None and arguments is not None:
+                error = arguments if isinstance(arguments, str) else self._refused(arguments)
+                if error is None and isinstance(arguments, dict):
                     return attrs.evolve(call, arguments=arguments, invalid_arguments=None), (
                         _action("before_tool", "rewrite", arguments=arguments)
                     )
@@ -148,11 +150,8 @@ class ToolHookCalls:
                 )
         return None, _action("before_tool", "error", reason=error)
 
-    def _refused(self, arguments: dict[str, Any] | None) -> str | None:
-        """Why a rewrite to ``arguments`` (None: not a JSON object) is refused; None when
-        it is not."""
-        if arguments is None:
-            return "Rewrite(arguments) must hold a JSON object"
+    def _refused(self, arguments: dict[str, Any]) -> str | None:
+        """Why a rewrite to ``arguments`` is refused; None when it is not."""
         most = self._largest_record
         if most is None:
             return None
@@ -275,18 +274,23 @@ def cut_reason(reason: str) -> str:
     return f"{reason[:MAX_REASON_CHARS]}… [cut: {left_out} of {len(reason)} characters left out]"
 
 
-def _json_object(value: Any) -> dict[str, Any] | None:
+def _json_object(value: Any) -> dict[str, Any] | str:
     """``value`` as a JSON object (a copy that holds JSON values only, its text repaired:
-    R-SEC-1), or None."""
+    R-SEC-1), or why it is none."""
+    not_json = "Rewrite(arguments) must hold a JSON object"
     if not isinstance(value, dict):
-        return None
+        return not_json
+    if value_too_deep(value):
+        # Measured before any recursive walk: deeper, the copy below or the tool_hook
+        # record's encoding would fail, and end the task (R-SEC-6).
+        return f"Rewrite(arguments) nests deeper than {MAX_ARGUMENT_DEPTH} levels"
     try:
         copied = json.loads(json.dumps(value, allow_nan=False))
-    except (TypeError, ValueError):
-        return None
+    except (TypeError, ValueError, RecursionError):
+        return not_json
     # A lone surrogate (a command hook printing "\ud800") would make the tool_hook record
     # unwritable and end the task: repaired here, where the hook's text enters.
-    return repair_json(copied) if isinstance(copied, dict) else None
+    return repair_json(copied) if isinstance(copied, dict) else not_json
 
 
 def _is_content(value: Any) -> bool:

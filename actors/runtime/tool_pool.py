@@ -390,7 +390,16 @@ class ToolPool:
         else:
             status = "ok"
         content = await self._fit(call, await self._content(call, value))
-        return ToolCallChecked(call_id=call.id, outcome="done", status=status, content=content)
+        hooked: ToolHookAction | None = None
+        if self._hooks is not None:
+            # What the check found is the call's result: the model gets it as the hook
+            # leaves it, as any result (R-HOOK-2).
+            content, hooked = await self._hooks.after(call, status, content)
+            if hooked is not None and hooked.action == "replace":
+                content = await self._fit(call, content)
+        return ToolCallChecked(
+            call_id=call.id, outcome="done", status=status, content=content, hook=hooked
+        )
 
     async def _fit(
         self, call: ToolCallBlock, content: tuple[ToolContent, ...]
