@@ -12,13 +12,16 @@ killed when a test fails.
 The scripted model answers (no API key in the environment). A ``--tools`` file replaces
 ``list_dir`` by one that blocks until the test creates a ``go`` file in the workspace, so
 a task can be held in its tool phase for as long as the test needs: steering, follow-ups
-and Ctrl-C then land at a known moment, never by timing luck.
+and Ctrl-C then land at a known moment, never by timing luck. Where keys must all reach the
+chat before the task can react to the first (Ctrl-C twice), list_dir holds the chat's trio
+thread itself while they are typed (:class:`TrioThreadHold`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import re
 import select
@@ -97,6 +100,38 @@ async def read_file(path: str, ctx) -> str:
     ctx.report_progress(f"reading {path}")
     return "     1\\tregion,units,unit_price\\n     2\\tnorth,2,3"
 '''
+
+# list_dir that holds the chat's trio thread itself (a blocking read, no await) until the
+# test lets it go. Keys typed meanwhile are handed over by the screen's thread and wait
+# for the trio side, which then takes them all before the task can move on: what they do
+# cannot depend on how the two threads are scheduled. Then it waits on, either honouring
+# the interrupt or ignoring it (a worker thread that no cancellation reaches).
+HOLDING_TOOLS = '''
+import os
+import threading
+
+import trio
+from greenroom.protocols.tools import tool
+
+
+@tool(parallel=True)
+async def list_dir(path: str, ctx) -> str:
+    """List a directory (this one holds the chat until the test lets it go)."""
+    gate = os.open({gate!r}, os.O_RDONLY)
+    with open({ready!r}, "wb") as ready:
+        ready.write(b"held")
+    os.read(gate, 1)  # until the test closes its end: the trio thread waits here
+    os.close(gate)
+    {then}
+    return "notes.txt  (5 bytes)"
+'''
+
+HOLDING_TOOLS_THEN = {
+    "honours-the-interrupt": "await trio.sleep_forever()",
+    "ignores-the-interrupt": (
+        "await trio.to_thread.run_sync(threading.Event().wait, abandon_on_cancel=False)"
+    ),
+}
 
 SUMMARY_COMPLETED = "✓ completed"
 
@@ -345,6 +380,10 @@ class Terminal:
             if remaining <= 0:
                 raise AssertionError("the chat did not exit; the terminal shows:\n" + self.screen)
             self._read(min(remaining, 0.05))
+        # The last words (a resume hint, an error) may still be unread: with no slave side
+        # left open here, the end of file comes after them. A kept one never ends: expect().
+        while self.slave is None and not self._eof and time.monotonic() < deadline:
+            self._read(deadline - time.monotonic())
         return self.process.returncode
 
     def lflag(self) -> int:
@@ -359,6 +398,50 @@ class Terminal:
         os.close(self.master)
         if self.slave is not None:
             os.close(self.slave)
+
+
+class TrioThreadHold:
+    """The test's side of :data:`HOLDING_TOOLS`: a ``tools`` file whose list_dir holds the
+    chat's trio thread, and the two FIFOs it talks through. The test keeps a reader and a
+    writer of ``ready`` and a writer of ``gate`` open from the start, so none of the tool's
+    opens waits and ``ready`` has no end of file before the tool writes to it."""
+
+    def __init__(self, directory: Path, then: str) -> None:
+        gate, ready = directory / "gate", directory / "ready"
+        os.mkfifo(gate)
+        os.mkfifo(ready)
+        self.tools = directory / "holding_tools.py"
+        self.tools.write_text(
+            HOLDING_TOOLS.format(gate=str(gate), ready=str(ready), then=HOLDING_TOOLS_THEN[then]),
+            encoding="utf-8",
+        )
+        self._fds: list[int] = []
+        self._ready = self._open(ready, os.O_RDONLY | os.O_NONBLOCK)
+        self._open(ready, os.O_WRONLY)
+        gate_reader = os.open(gate, os.O_RDONLY | os.O_NONBLOCK)  # lets the writer open
+        self._gate = self._open(gate, os.O_WRONLY)
+        os.close(gate_reader)
+
+    def _open(self, path: Path, flags: int) -> int:
+        fd = os.open(path, flags)
+        self._fds.append(fd)
+        return fd
+
+    def wait_held(self, timeout: float = WAIT_S) -> None:
+        """Wait until the tool holds the trio thread."""
+        ready, _, _ = select.select([self._ready], [], [], timeout)
+        assert ready, f"the tool did not start within {timeout} s"
+        assert os.read(self._ready, 16) == b"held"
+
+    def release(self) -> None:
+        """Let the tool go on (its read meets the end of file)."""
+        self._fds.remove(self._gate)
+        os.close(self._gate)
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()
 
 
 def chat_env(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -473,10 +556,11 @@ def test_ctrl_c_twice_at_the_prompt_exits(chat: Terminal) -> None:
 def test_a_line_between_two_ctrl_c_keeps_the_chat_open(chat: Terminal) -> None:
     chat.type("\x03")
     chat.expect_prompt()
+    chat.expect("Ctrl-C again")
     chat.line("")
     chat.expect_prompt()
     chat.type("\x03")
-    chat.expect("Ctrl-C again")
+    chat.expect("Ctrl-C again")  # said again: this Ctrl-C is a first one, not a second
     chat.expect_prompt()
     assert chat.process.poll() is None
     chat.line("/quit")
@@ -767,22 +851,40 @@ def test_leaving_gives_the_terminal_back_in_its_usual_mode(
         terminal.close()
 
 
+@pytest.mark.parametrize("tool", sorted(HOLDING_TOOLS_THEN))
 def test_ctrl_c_twice_during_a_task_leaves_at_once_and_gives_the_terminal_back(
-    tmp_path: Path, workspace: Path, gated_tools: Path
+    tool: str, tmp_path: Path, workspace: Path
 ) -> None:
+    """R-SEC-2: a second Ctrl-C while the task is being interrupted leaves at once (exit
+    130), also when its tool ignores the interrupt, and gives the terminal back in its
+    usual mode. Both keys are typed while the tool holds the chat's trio thread, so both
+    reach the chat before the interrupt can end the task, however loaded the machine."""
+    hold = TrioThreadHold(tmp_path, tool)
     terminal = open_chat(
-        tmp_path, workspace, "--approve", "all", "--tools", str(gated_tools), keep_slave=True
+        tmp_path, workspace, "--approve", "all", "--tools", str(hold.tools), keep_slave=True
     )
     try:
+        session_id = terminal.expect(re.compile(r"session: (\S+)")).group(1)
         terminal.expect_prompt()
-        hold_in_list_dir(terminal)
-        terminal.type("\x03\x03")  # both keys before the interrupt can end the task
+        terminal.line(DEMO_PROMPT)
+        hold.wait_held()
+        terminal.type("\x03\x03x")
+        # The screen's thread takes keys in order: once it shows the x, it has handed both
+        # Ctrl-C to the trio side.
+        terminal.expect_prompt(WORKING_PROMPT, "x")
+        hold.release()
         assert terminal.wait_exit() == 130
         usual = termios.ECHO | termios.ICANON | termios.ISIG
         assert terminal.lflag() & usual == usual
-        assert "to resume: greenroom chat --session" in terminal.screen
+        terminal.expect(f"to resume: greenroom chat --session {session_id}")
     finally:
         terminal.close()
+        hold.close()
+    trace = tmp_path / "data" / "sessions" / session_id / "trace_001.jsonl"
+    text = trace.read_text(encoding="utf-8")
+    assert text.endswith("\n")
+    for line in text.splitlines():
+        json.loads(line)  # whole records only: the trace stays loadable
 
 
 def test_an_open_approval_question_stays_whole_below_output_hints_and_denies_on_ctrl_c(

@@ -35,11 +35,11 @@ be had is one line saying why, with nothing sent.
 
 Keys: Ctrl-C while a task (or a compaction) runs interrupts it — it ends ``aborted``, its
 carry-over is kept for the next task, and the prompt returns; a second Ctrl-C before it has
-ended leaves at once (exit 130). Ctrl-C at the prompt asks for confirmation: a second one in
-a row leaves. Ctrl-D (end of input) leaves at the prompt; during a task it leaves once the
-task has ended (Ctrl-C first to stop it sooner). ``/quit`` during a task interrupts it,
-then leaves. Leaving this way exits 0 and says how to come back (``greenroom chat --session
-ID``); usage errors exit 2.
+ended leaves at once (exit 130), without waiting for tools that ignore the interrupt.
+Ctrl-C at the prompt asks for confirmation: a second one in a row leaves. Ctrl-D (end of
+input) leaves at the prompt; during a task it leaves once the task has ended (Ctrl-C first
+to stop it sooner). ``/quit`` during a task interrupts it, then leaves. Leaving this way
+exits 0 and says how to come back (``greenroom chat --session ID``); usage errors exit 2.
 
 A failed model request that will be retried shows one live line on stderr that counts down
 in place on a terminal: ``[retry] attempt 2/6 in 0.4 s — overloaded`` (once, without the
@@ -101,6 +101,7 @@ from greenroom.actors.apps.render import HumanRenderer, arguments_text, color_en
 from greenroom.actors.apps.run import (
     RunOptions,
     is_default_data_dir,
+    leave_at_once,
     open_reported_session,
     prepare_options,
     refusal_words,
@@ -261,7 +262,12 @@ async def _chat(options: RunOptions) -> int:
             resume_hint=resume_command(session.id, options.data_dir),
             data_dir=options.data_dir,
         )
-        return await chat.run()
+        try:
+            return await chat.run()
+        except* KeyboardInterrupt:
+            # A second Ctrl-C during a task: the chat has given the terminal back; closing
+            # the host would wait for tools that ignore the interrupt, for ever (R-SEC-2).
+            await leave_at_once(host)
 
 
 def mcp_help(mcp: McpView | None) -> str | None:
