@@ -585,6 +585,9 @@ class UsageRow:
     streamed request's row is written as its stream begins (``status`` ``started``, the
     usage reported then) and replaced by its usage at its end, so a host that dies between
     the two leaves the request counted at its start (R-SHARE-3). None: a row of its own.
+    ``estimated``: the usage is the runtime's estimate of the request's input, not what
+    the provider reported (a provider that reports usage only at a stream's end, whose
+    stream was cut or is under way).
     """
 
     at: float
@@ -600,6 +603,7 @@ class UsageRow:
     principal: str | None = None
     root_id: str | None = None
     request_key: str | None = None
+    estimated: bool = False
 
     @classmethod
     def for_request(

@@ -237,7 +237,8 @@ async def test_usage_rows_land_in_sqlite(tmp_path: Path) -> None:
         ).fetchall()
     assert columns == ["id", "at", "session_id", "run_id", "turn", "kind", "provider", "model",
                        "input", "output", "cache_read", "cache_write", "total", "status",
-                       "error_message", "cost_usd", "principal", "root_id", "request_key"]
+                       "error_message", "cost_usd", "principal", "root_id", "request_key",
+                       "estimated"]
     assert failed == [("compaction_failed", "failed", "empty summary", None),
                       ("title", None, None, None)]
     assert usage_totals(tmp_path / "missing.sqlite") == {}

@@ -196,6 +196,11 @@ class LeanStreamTask:
 
     __slots__ = ("_classify", "_decoder", "_encoder", "_endpoint", "_images")
 
+    usage_at_end: ClassVar[bool] = True
+    """Chat Completions and Responses report usage only with a stream's last events (the
+    usage chunk, ``response.completed``): the streamer bills a stream that begins at its
+    estimated input until then (R-SHARE-3)."""
+
     def __init__(
         self,
         endpoint: LeanEndpoint,

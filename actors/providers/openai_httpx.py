@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 
@@ -94,6 +94,9 @@ class HTTPStreamTask:
     __slots__ = (
         "_classify", "_client", "_decoder", "_encoder", "_images", "_read_timeout", "_url"
     )
+
+    usage_at_end: ClassVar[bool] = True
+    """As :attr:`~greenroom.actors.providers.openai.LeanStreamTask.usage_at_end`."""
 
     def __init__(
         self,

@@ -37,6 +37,7 @@ one host's: a tree runs on the host of its root.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 import weakref
@@ -47,8 +48,15 @@ import attrs
 import trio
 
 from greenroom.actors.runtime.errors import ConfigurationError
+from greenroom.actors.runtime.trace_sink import TraceSinkClosed
 from greenroom.actors.runtime.trace_store import StoredSessionMissing, StoredSessionUnreadable
-from greenroom.protocols.budgets import BudgetPeriod, SpendLimit, period_start, request_bound
+from greenroom.protocols.budgets import (
+    BudgetPeriod,
+    SpendLimit,
+    estimate_input_tokens,
+    period_start,
+    request_bound,
+)
 from greenroom.protocols.context import ModelRequest
 from greenroom.protocols.prices import Price, PriceError, PriceTable, parse_prices
 from greenroom.protocols.settings import SessionSettings
@@ -56,6 +64,7 @@ from greenroom.protocols.stream import TokenUsage
 from greenroom.protocols.trace import UsageLine, UsageQuery
 
 if TYPE_CHECKING:
+    from greenroom.actors.runtime.port import SessionPort
     from greenroom.actors.runtime.trace_store import SessionCatalog, UsageLedger
 
 __all__ = [
@@ -63,6 +72,7 @@ __all__ = [
     "Account",
     "Accounting",
     "PrincipalBudget",
+    "RequestBilling",
     "SharedSpending",
     "price_overrides",
     "stored_origin",
@@ -163,7 +173,9 @@ def _spent_under(top: str, usage: Sequence[tuple[tuple[str, ...], UsageLine]]) -
 class Account:
     """One session's price, principal and budgets (see the module docstring)."""
 
-    __slots__ = ("_held_usd", "_started_keys", "limits", "price", "principal")
+    __slots__ = (
+        "_begun", "_estimates", "_held_usd", "_started_keys", "limits", "price", "principal"
+    )
 
     def __init__(
         self,
@@ -180,16 +192,48 @@ class Account:
         self._held_usd = 0.0
         self._started_keys: dict[str, str] = {}
         """The key of the request of each kind under way (a title runs beside a task)."""
+        self._begun: set[str] = set()
+        """The kinds whose request under way has its first row written by its streamer
+        (:class:`RequestBilling`) already."""
+        self._estimates: dict[str, TokenUsage] = {}
+        """The usage estimated for the request of each kind under way, if any."""
 
     def request_key(self, kind: str = "request", *, started: bool) -> str | None:
         """The usage ledger's key of the session's request of ``kind`` under way (its
         requests of one kind run one at a time): a new one when its stream begins to
         report usage (``started``), then the same one, once, for the request's last row,
-        which replaces the first (None when it had no first row)."""
+        which replaces the first (None when it had no first row). None for ``started``
+        when its streamer wrote that row already (:meth:`begun`): there is none to write."""
         if started:
+            if kind in self._begun:
+                self._begun.discard(kind)
+                return None
             key = self._started_keys[kind] = uuid.uuid4().hex
             return key
+        self._begun.discard(kind)
         return self._started_keys.pop(kind, None)
+
+    def next_request(self, kind: str = "request") -> None:
+        """A new request of ``kind`` is on its way: what an earlier one left (an attempt
+        dropped before its end was recorded) is forgotten, so its row is not replaced."""
+        self._started_keys.pop(kind, None)
+        self._begun.discard(kind)
+        self._estimates.pop(kind, None)
+
+    def begun(self, kind: str = "request") -> None:
+        """The first row of the request of ``kind`` under way is written (by its streamer,
+        before the stream's first events were handed on)."""
+        self._begun.add(kind)
+
+    def estimated_as(self, usage: TokenUsage, kind: str = "request") -> None:
+        """``usage`` is the estimate of the request of ``kind`` under way: recorded as its
+        usage (its stream cut before the provider reported any), it is flagged so."""
+        self._estimates[kind] = usage
+
+    def is_estimate(self, usage: TokenUsage, kind: str = "request") -> bool:
+        """Whether ``usage`` is the estimate of the request of ``kind`` under way (the
+        object itself: a report of the same numbers is not)."""
+        return usage is self._estimates.get(kind)
 
     def priced(self, usage: TokenUsage) -> TokenUsage:
         """``usage`` with its cost at the session's price (unchanged when it has one, or
@@ -244,6 +288,61 @@ class Account:
 NO_ACCOUNT = Account()
 """The account of a session built without a host's accounting: no price, no budget. A
 port given none makes its own (an account keeps its session's request under way)."""
+
+
+class RequestBilling:
+    """The usage-ledger rows a task's streamer writes for the session of ``port`` as a
+    request's stream begins (R-SHARE-3, R-TRACE-5).
+
+    A request the provider has begun to answer is billed, at least for its input. Its
+    ``started`` row — the usage the stream reported first, or for a provider that reports
+    usage only at a stream's end the request's estimated input — is written and committed
+    (the ledger's ``commit``, when it has one) before the stream's first events are handed
+    on: a host that dies once anything of the stream was seen leaves the request counted,
+    and a host opened on its data dir counts it against the budgets it seeds from the
+    ledger. A batch of many streams that begin together shares one commit; the rest of a
+    stream costs nothing here. The request's last row (the turn's or the compaction's)
+    replaces this one, as before."""
+
+    __slots__ = ("_commit", "_port")
+
+    def __init__(self, port: SessionPort) -> None:
+        self._port = port
+        self._commit = getattr(port.host.usage_ledger, "commit", None)
+
+    def next_request(self) -> None:
+        """An attempt begins (see :meth:`Account.next_request`)."""
+        self._port.account.next_request()
+
+    def estimate(self, request: ModelRequest) -> TokenUsage:
+        """The usage ``request`` is billed at least before its provider reports any: its
+        input, estimated as the budgets do (:func:`estimate_input_tokens`), flagged as an
+        estimate wherever it is recorded as the request's usage."""
+        usage = TokenUsage(input=estimate_input_tokens(request))
+        self._port.account.estimated_as(usage)
+        return usage
+
+    async def began(self, usage: TokenUsage) -> None:
+        """The request's stream began with ``usage`` and goes on: its ``started`` row is
+        written, and committed when this returns. Cancel-safe: see :meth:`cut`."""
+        port = self._port
+        machine = port.machine
+        try:
+            port.record_usage(machine.run_id or "", machine.turn, usage, started=True)
+        except TraceSinkClosed:
+            return  # the host is closing: its store takes nothing more
+        port.account.begun()
+        if self._commit is not None:
+            await self._commit()
+
+    def cut(self, usage: TokenUsage) -> None:
+        """The attempt was cancelled before the batch that began its stream was handed on
+        (while :meth:`began` waited): nobody else will record the request, so its last
+        row is ``usage`` (what its ``started`` row holds), and its cost is spent."""
+        port = self._port
+        machine = port.machine
+        with contextlib.suppress(TraceSinkClosed):
+            port.record_usage(machine.run_id or "", machine.turn, usage)
 
 
 class Accounting:

@@ -15,12 +15,21 @@ endpoint, and the configured limits, hold for every session alike. After a faile
 the planned backoff already covers the endpoint's pause (the failure carries it as its
 ``retry_after_s``), so the wait shows in ``request_end.retry_in_ms``; a wait before an
 attempt that follows no failure shows as a later first token.
+
+A task's streamer bills what a stream has begun (R-SHARE-3, given a
+:class:`~greenroom.actors.runtime.accounting.RequestBilling`): the first batch of a
+stream that goes on, unless it is only the request's refusal, is handed on once the
+request's ``started`` row is committed to the usage ledger. A provider task whose
+``usage_at_end`` is true (OpenAI's: usage comes with a stream's last events) has its first
+batch begin with a ``UsageReported`` of the request's estimated input, so that a stream cut
+before its end is counted at that estimate wherever a cut stream's usage is (the task's
+``token_usage``, the ledger, the budgets). Nothing of this touches the batches after it.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, assert_never
+from typing import TYPE_CHECKING, Any, assert_never
 
 import trio
 
@@ -36,7 +45,16 @@ from greenroom.protocols.messages import (
     StreamerCommand,
     SupervisorMessage,
 )
-from greenroom.protocols.stream import MessageCompleted, ModelError, StreamEvent, StreamFailed
+from greenroom.protocols.stream import (
+    MessageCompleted,
+    ModelError,
+    StreamEvent,
+    StreamFailed,
+    UsageReported,
+)
+
+if TYPE_CHECKING:
+    from greenroom.actors.runtime.accounting import RequestBilling
 
 __all__ = ["Backoff", "LLMStreamer", "ModelProvider", "ProviderTask"]
 
@@ -98,20 +116,24 @@ class LLMStreamer:
     :data:`~greenroom.protocols.messages.StreamerCommand` messages until the channel is
     closed or the task is cancelled, and reports to the supervisor's inbox only.
     ``requester`` is the session's place at its endpoint's admission; without one the
-    streamer has an admission point of its own."""
+    streamer has an admission point of its own. ``billing``: the ledger rows of a task's
+    requests as their streams begin (see the module docstring); None bills nothing here."""
 
-    __slots__ = ("_backoff", "_inbox", "_provider", "_requester")
+    __slots__ = ("_backoff", "_billing", "_estimates", "_inbox", "_provider", "_requester")
 
     def __init__(
         self,
         provider: ProviderTask,
         inbox: trio.MemorySendChannel[SupervisorMessage],
         requester: Requester | None = None,
+        billing: RequestBilling | None = None,
     ) -> None:
         self._provider = provider
         self._inbox = inbox
         self._backoff = Backoff()
         self._requester = requester or Requester(EndpointAdmission(), "", "")
+        self._billing = billing
+        self._estimates = billing is not None and getattr(provider, "usage_at_end", False) is True
 
     async def run(
         self,
@@ -150,6 +172,9 @@ class LLMStreamer:
         """Wait ``delay_ms`` (the planned backoff) and the endpoint's admission, then stream
         one attempt into ``inbox``. Cancel-safe: cancellation stops the sleep, the wait or
         the stream at once and delivers nothing more."""
+        billing = self._billing
+        if billing is not None:
+            billing.next_request()
         skipped = delay_ms > 0 and await self._backoff.sleep(delay_ms / 1000)
         permit = self._requester.admit_now()
         if permit is None and skipped:
@@ -159,12 +184,18 @@ class LLMStreamer:
         if permit is None:
             permit = await self._requester.admit(request)
         observe = permit.observe
+        first = billing is not None
 
         async def deliver(events: list[StreamEvent]) -> None:
+            nonlocal first
             # The endpoint learns from a request's first batch and from its last, before
             # the supervisor sees them (a rate limit pauses the endpoint first).
             if permit.watching or (events and events[-1].__class__ in _ENDINGS):
                 events = observe(events)
+            if first and events:
+                first = False
+                assert billing is not None
+                events = await self._bill(billing, request, events)
             inbox.send_nowait(StreamBatch(attempt=attempt, events=events, request=number))
 
         try:
@@ -184,3 +215,27 @@ class LLMStreamer:
                 await deliver([StreamFailed(error=failure)])
         finally:
             permit.release()
+
+    async def _bill(
+        self, billing: RequestBilling, request: ModelRequest, events: list[StreamEvent]
+    ) -> list[StreamEvent]:
+        """The stream's first batch, once what it bills is in the ledger (see the module
+        docstring); returns the batch to hand on."""
+        if events[0].__class__ is StreamFailed:
+            return events  # refused before its response began: not billed
+        reported = next((e.usage for e in events if isinstance(e, UsageReported)), None)
+        if reported is None:
+            if not self._estimates:
+                return events  # its usage comes with its end, and is recorded then
+            reported = billing.estimate(request)
+            events = [UsageReported(usage=reported), *events]
+        if events[-1].__class__ in _ENDINGS:
+            return events  # its last row follows at once: no row to write first
+        try:
+            await billing.began(reported)
+        except BaseException:
+            # Cancelled before the batch went on: the supervisor never sees the request
+            # begin, so nobody else records it.
+            billing.cut(reported)
+            raise
+        return events

@@ -615,12 +615,17 @@ class SessionPort:
         budgets already), so that a host that dies mid-stream leaves it counted; the
         request's last row replaces it."""
         account = self.account
+        estimated = account.is_estimate(usage, kind)
         usage = account.priced(usage)
         if not started:
             account.spend(usage.cost_usd, settles=kind != "title")  # a title runs beside a task
         key = account.request_key(kind, started=started)
+        if started and key is None:
+            return  # its streamer wrote it as the stream began (RequestBilling)
         status = STARTED if started else status
         row = _usage_row(self, run_id, turn, usage, kind, status, error_message, key)
+        if estimated:
+            row = attrs.evolve(row, estimated=True)
         self._host.usage_ledger.record_usage(row)
 
     # -- publication ------------------------------------------------------------------------

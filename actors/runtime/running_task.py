@@ -28,6 +28,7 @@ import attrs
 import trio
 
 from greenroom.actors.providers.base import sole_exception
+from greenroom.actors.runtime.accounting import RequestBilling
 from greenroom.actors.runtime.approval_broker import ApprovalBroker
 from greenroom.actors.runtime.compactor import CompactionRun
 from greenroom.actors.runtime.emitter import OutputEmitter
@@ -200,7 +201,9 @@ class TaskWork:
             largest_record=port.host.trace_log.largest_input(),
         )
         await nursery.start(pool.run, self._pool)
-        streamer = LLMStreamer(port.provider.open_task(), self._inbox, port.requester())
+        streamer = LLMStreamer(
+            port.provider.open_task(), self._inbox, port.requester(), RequestBilling(port)
+        )
         await nursery.start(streamer.run, self._streamer)
 
     async def stop(self, *, finished: bool = False) -> None:

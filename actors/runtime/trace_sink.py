@@ -53,11 +53,12 @@ as file contents), directories the sink creates 0700.
 
 Usage-ledger table ``usage`` in ``<data_dir>/usage.sqlite``: ``id, at, session_id, run_id,
 turn, kind, provider, model, input, output, cache_read, cache_write, total, status,
-error_message, cost_usd, principal, root_id, request_key`` (see
-:class:`greenroom.protocols.trace.UsageRow`). The last four came later (cost accounting,
-R-SHARE-3; the request's key of a ``started`` row, unique where set): opening an older
-ledger adds them (``ALTER TABLE``; its rows keep NULL there, an unknown cost), and the
-readers take a ledger that was never opened since as having NULL in them.
+error_message, cost_usd, principal, root_id, request_key, estimated`` (see
+:class:`greenroom.protocols.trace.UsageRow`). The last five came later (cost accounting,
+R-SHARE-3; the request's key of a ``started`` row, unique where set; 1 where the usage is
+the runtime's estimate of the request's input): opening an older ledger adds them (``ALTER
+TABLE``; its rows keep NULL there, an unknown cost), and the readers take a ledger that
+was never opened since as having NULL in them.
 """
 
 from __future__ import annotations
@@ -149,15 +150,17 @@ _USAGE_COLUMNS = (
     "principal",
     "root_id",
     "request_key",
+    "estimated",
 )
 _ADDED_COLUMNS = (
     ("cost_usd", "REAL"),
     ("principal", "TEXT"),
     ("root_id", "TEXT"),
     ("request_key", "TEXT"),
+    ("estimated", "INTEGER"),
 )
 """Columns an older ledger lacks (cost accounting, then the rows written as a request
-starts), with their types (all NULL-able)."""
+starts, then estimates), with their types (all NULL-able)."""
 _CREATE_USAGE = """
 CREATE TABLE IF NOT EXISTS usage (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -178,7 +181,8 @@ CREATE TABLE IF NOT EXISTS usage (
     cost_usd REAL,
     principal TEXT,
     root_id TEXT,
-    request_key TEXT
+    request_key TEXT,
+    estimated INTEGER
 )
 """
 _INSERT_USAGE = (
@@ -975,8 +979,9 @@ def _run_batch(job: _BatchJob, ledger: sqlite3.Connection | None, disk: Disk) ->
 
 STARTED_ROWS_WAIT_S = 0.25
 """The longest a usage row written as a request's stream began waits for other work before
-the ledger commits it (a host that dies meanwhile loses that row: its request's stream was
-a quarter of a second old at most)."""
+the ledger commits it, when nobody waits for it (a host that dies meanwhile loses that
+row). A task's streamer does wait, before it hands the stream's first events on
+(:class:`~greenroom.actors.runtime.accounting.RequestBilling`): its rows go at once."""
 
 SYNC_THREADS = 8
 """The most fsyncs of one batch that run at once. The filesystem and the device take
@@ -1130,6 +1135,7 @@ def _insert_usage(ledger: sqlite3.Connection, rows: list[UsageRow]) -> None:
             row.principal,
             row.root_id,
             row.request_key,
+            int(row.estimated),
         )
         for row in rows
     ]

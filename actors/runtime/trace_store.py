@@ -355,7 +355,13 @@ class TraceLog(Protocol):
 
 
 class UsageLedger(Protocol):
-    """The host's usage ledger (R-TRACE-5): the raw data for cost reports."""
+    """The host's usage ledger (R-TRACE-5): the raw data for cost reports.
+
+    A ledger that writes its rows later may also offer ``async def commit()``, which
+    returns once every row recorded before it is durable: the runtime waits for it
+    before a stream's first events are handed on, so that a host that dies after a
+    client saw them leaves the request's ``started`` row (R-SHARE-3). Without it,
+    :meth:`record_usage` is taken as durable when it returns."""
 
     def record_usage(self, row: UsageRow) -> None:
         """Add a row — or, when a row of the same ``request_key`` is stored already (the
@@ -790,6 +796,11 @@ class FileUsageLedger:
     def record_usage(self, row: UsageRow) -> None:
         """Into the sink's SQLite ledger."""
         self.sink.record_usage(row)
+
+    async def commit(self) -> None:
+        """Return once every row recorded before the call is committed (or refused: that
+        is reported by ``log.sync()``). Optional for a ledger (see :class:`UsageLedger`)."""
+        await self.sink.flush_usage()
 
     async def totals(self, session_id: str | None = None) -> dict[str, dict[str, int]]:
         """The rows queued so far are inserted first (while the sink runs), then the
