@@ -35,7 +35,12 @@ from test_mcp import stdio
 
 from greenroom.actors.cluster.connection import Connection
 from greenroom.actors.cluster.errors import ClusterUnavailable
-from greenroom.actors.cluster.node import ClusterConfig, ClusterNode, open_cluster_host
+from greenroom.actors.cluster.node import (
+    ClusterConfig,
+    ClusterNode,
+    _lane_done,
+    open_cluster_host,
+)
 from greenroom.actors.cluster.ownership import SessionOwners
 from greenroom.actors.cluster.registry import HostRecord, HostRegistry, SessionDirectory
 from greenroom.actors.cluster.traces import TraceStream, TraceWriter
@@ -191,6 +196,7 @@ def test_a_session_lost_while_it_is_taken_over_is_not_taken_up(
             assert node._keeper is not None and node.store is not None
             # An orphan: closed here, its claim given up.
             await host.close_session(session.id)
+            await _release_done(node, session.id)
             await node._keeper.release(session.id)
             entry = await (await SessionDirectory.open(conn)).get(session.id)
             assert entry is not None
@@ -228,6 +234,7 @@ def test_a_session_taken_over_gets_the_mcp_servers_of_its_host(
             assert node._keeper is not None
             # An orphan: closed here, its claim given up.
             await host.close_session(session.id)
+            await _release_done(node, session.id)
             await node._keeper.release(session.id)
             entry = await (await SessionDirectory.open(conn)).get(session.id)
             assert entry is not None
@@ -236,6 +243,14 @@ def test_a_session_taken_over_gets_the_mcp_servers_of_its_host(
             return taken, "mcp__t__echo" in tools
 
     assert run_connected(nats_server.url, body, timeout_s=30.0) == (True, True)
+
+
+async def _release_done(node: ClusterNode, session_id: str) -> None:
+    """Wait for the release the close began in the session's lane, as the node's own
+    takeovers do (``_lane_done``): a release still under way when the test takes the
+    session over would release the new claim under it ("lost while this host took it
+    over"), which a loaded machine made happen."""
+    await _lane_done(node._lanes, node._work, session_id, node.serves)
 
 
 LEASE_TTL_S = 1.0
