@@ -67,7 +67,12 @@ from greenroom.protocols.context import OutputFormat, ToolSchema
 from greenroom.protocols.errors import OutputSchemaError
 from greenroom.protocols.pattern import MAX_PROGRAM, Pattern, PatternError, compile_pattern
 from greenroom.protocols.text import json_type_name
-from greenroom.protocols.tools import MAX_ARGUMENT_DEPTH, json_text_too_deep
+from greenroom.protocols.tools import (
+    MAX_ARGUMENT_DEPTH,
+    NotAJsonNumber,
+    decode_strict_json,
+    json_text_too_deep,
+)
 
 __all__ = [
     "ANSWER_ACCEPTED_TEXT",
@@ -759,26 +764,6 @@ def _multiple(value: float, step: float) -> bool:
 _FENCE = re.compile(r"^```(?:json)?\s*\n(.*)\n```\s*$", re.DOTALL)
 
 
-class _NotFinite(ValueError):
-    """``NaN``, ``Infinity`` or a number a float cannot hold (``1e999``) in an answer."""
-
-
-def _refuse_constant(name: str) -> Any:
-    raise _NotFinite(f"{name} is not a JSON number")
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise _NotFinite(f"{text[:40]} is too large for a number")
-    return value
-
-
-# Python reads NaN and Infinity, which no other JSON reader takes back: an answer holding
-# them would be recorded, printed and sent to every client as text that is not JSON.
-_decode_answer = json.JSONDecoder(parse_constant=_refuse_constant, parse_float=_finite).decode
-
-
 def parse_text_answer(text: str) -> tuple[Any, list[str]]:
     """The JSON value of a message given as the answer (``(value, [])``), or why it is
     not one (``(None, [problem])``): no ``NaN`` or ``Infinity``, and nested no deeper
@@ -794,12 +779,12 @@ def parse_text_answer(text: str) -> tuple[Any, list[str]]:
     if json_text_too_deep(stripped):
         return None, [f"$: the answer nests deeper than {MAX_ARGUMENT_DEPTH} levels"]
     try:
-        return _decode_answer(stripped), []
+        return decode_strict_json(stripped), []
     except (ValueError, RecursionError) as exc:
         if isinstance(exc, json.JSONDecodeError):
             reason = f"{exc.msg} at character {exc.pos}"
         else:
-            reason = str(exc) if isinstance(exc, _NotFinite) else "not valid JSON"
+            reason = str(exc) if isinstance(exc, NotAJsonNumber) else "not valid JSON"
         return None, [f"$: the answer is not JSON ({reason})"]
 
 

@@ -575,25 +575,30 @@ def value_too_deep(value: Any, limit: int = MAX_ARGUMENT_DEPTH) -> bool:
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
-class _NotANumber(ValueError):
+class NotAJsonNumber(ValueError):
     """``NaN``, ``Infinity`` or ``-Infinity`` in JSON text, or a number too large for a
     float (``1e999`` reads as infinity): Python reads them, but no JSON encoder the
     providers use writes them back, so such arguments would make every later request of
-    the session fail."""
+    the session fail (and an answer holding them would be printed and sent to every
+    client as text that is not JSON). Its message says which, in words for a person."""
 
 
 def _reject_constant(name: str) -> Any:
-    raise _NotANumber(f"{name} is not a JSON number")
+    raise NotAJsonNumber(f"{name} is not a JSON number")
 
 
 def _read_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
-        raise _NotANumber("number too large (not finite once read)")
+        raise NotAJsonNumber("number too large (not finite once read)")
     return value
 
 
-_decode_json = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_read_float).decode
+decode_strict_json: Callable[[str], Any] = json.JSONDecoder(
+    parse_constant=_reject_constant, parse_float=_read_float
+).decode
+"""``json.loads`` as every JSON reader takes it: raises :class:`NotAJsonNumber` where
+Python alone would read ``NaN``, ``Infinity`` or a number no float holds."""
 
 
 def json_error_reason(exc: BaseException) -> str:
@@ -606,7 +611,7 @@ def json_error_reason(exc: BaseException) -> str:
     if isinstance(exc, json.JSONDecodeError):
         msg = exc.msg
         return f"{msg[:1].lower()}{msg[1:]} at character {exc.pos}"
-    if isinstance(exc, _NotANumber):
+    if isinstance(exc, NotAJsonNumber):
         return str(exc)
     if "integer string conversion" in str(exc):
         return "number too long"
@@ -621,7 +626,7 @@ def invalid_arguments_reason(raw: str) -> str:
     if json_text_too_deep(raw):
         return f"nested deeper than {MAX_ARGUMENT_DEPTH} levels"
     try:
-        value = _decode_json(raw)
+        value = decode_strict_json(raw)
     except (ValueError, RecursionError) as exc:
         return f"malformed JSON: {json_error_reason(exc)}"
     if value.__class__ is not dict:
@@ -644,7 +649,7 @@ def parse_tool_arguments(raw: str) -> tuple[dict[str, Any], str | None]:
     if json_text_too_deep(raw):
         return {}, raw
     try:
-        value = _decode_json(raw)
+        value = decode_strict_json(raw)
     except (ValueError, RecursionError):
         return {}, raw
     if value.__class__ is not dict:
