@@ -25,6 +25,7 @@ a record (R-FORK-1: :mod:`~greenroom.actors.runtime.time_travel`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
@@ -56,7 +57,7 @@ from greenroom.actors.runtime.port_builder import (
     checked_settings,
     load_defaults,
 )
-from greenroom.actors.runtime.session import Session, require_trio
+from greenroom.actors.runtime.session import Session, require_trio, settled
 from greenroom.actors.runtime.session_ids import OpeningSessions
 from greenroom.actors.runtime.shared_limits import SharedLimits
 from greenroom.actors.runtime.storage import (
@@ -413,19 +414,15 @@ class Host:
 
     async def _close(self, session_id: str, *, delete: bool) -> None:
         # After a creation or load under way; a load meanwhile waits for the close (and
-        # finds a deleted session gone, not half deleted).
-        async with self._opening.held(session_id):
+        # finds a deleted session gone, not half deleted), cut short or not (_SessionClose).
+        await self._opening.settled(session_id)
+        with contextlib.ExitStack() as held:
+            held.enter_context(self._opening.opening(session_id))
             session, port = self._sessions.pop(session_id, None), self._ports.pop(session_id, None)
             self._children.closed(session_id)
-            if session is not None:
-                # A task that waits only for people is not interrupted: its request stays
-                # pending in the trace, and loading the session asks it again (R-HITL-1).
-                await session.aclose()
-                holds_work = port is not None and leaves_work(port.machine)
-                self._open_tasks.closed(session_id, port.machine if port is not None else None)
-                await self._builder.release(session_id)
-                if not (delete or holds_work) and self.on_closed is not None:
-                    self.on_closed(session_id)
+            if session is not None and port is not None:
+                closing = _SessionClose(port, delete, self._open_tasks, lambda: self.on_closed)
+                await closing.run(session, self._builder, held, self.start_task)
             if delete:
                 self._open_tasks.deleted(session_id)
                 await self._store.catalog.delete(session_id)
@@ -600,6 +597,61 @@ class Host:
         beforehand. Off the event loop. Raises :class:`ConfigurationError` as :meth:`create_session`
         would (an unknown provider, or anthropic without credentials)."""
         await self._builder.clients.load(provider, model=model, base_url=base_url)
+
+
+class _SessionClose:
+    """The end of a host's close of one session (R-HOST-3), once its work has ended: the
+    open-task index learns what it leaves, its private MCP connections close, and
+    ``on_closed`` is told. A close cut short (its caller was cancelled while the work
+    ended) leaves that to a task of the host's, which holds the session's id meanwhile, as
+    the close did — a load of it waits — until the work has ended and its trace is synced,
+    or let go (:func:`~greenroom.actors.runtime.session.settled`): bounded, and never past
+    the close of the host's store. Before: its MCP connections stayed open until the
+    host closed, and ``on_closed`` never heard of it."""
+
+    def __init__(self, port: SessionPort, delete: bool, open_tasks: OpenTaskIndex,
+                 on_closed: Callable[[], SessionCloser | None]) -> None:
+        self._port = port
+        self._delete = delete
+        self._open_tasks = open_tasks
+        self._on_closed = on_closed
+
+    async def run(self, session: Session, builder: PortBuilder, held: contextlib.ExitStack,
+                  start_task: Callable[[Callable[[], Awaitable[None]]], None]) -> None:
+        """Close ``session`` and end its close; ``held`` holds its id against loads."""
+        try:
+            # A task that waits only for people is not interrupted: its request stays
+            # pending in the trace, and loading the session asks it again (R-HITL-1).
+            await session.aclose()
+        except BaseException:
+            log = self._port.host.trace_log
+            cut_short: Callable[[str], trio.Event | None] | None = getattr(log, "cut_short", None)
+            let_go = cut_short(self._port.id) if cut_short is not None else None
+            kept = held.pop_all()
+            try:
+                start_task(functools.partial(self._later, kept, builder, let_go))
+            except RuntimeError:  # the host's nursery has ended: so has all of it
+                kept.close()
+            raise
+        await self._end(builder.release)
+
+    async def _later(self, held: contextlib.ExitStack, builder: PortBuilder,
+                     let_go: trio.Event | None) -> None:
+        with held:
+            await settled(self._port, let_go)
+            # The trace is the session's own task's to let go (its release, in
+            # Session.aclose): a load here then waits for it.
+            with trio.move_on_after(CLOSE_CLIENTS_S):
+                await self._end(builder.mcp.release)
+
+    async def _end(self, release: Callable[[str], Awaitable[None]]) -> None:
+        port = self._port
+        holds_work = leaves_work(port.machine)
+        self._open_tasks.closed(port.id, port.machine)
+        await release(port.id)
+        on_closed = self._on_closed()
+        if not (self._delete or holds_work) and on_closed is not None:
+            on_closed(port.id)
 
 
 async def _take_up_together(host: Host, session_ids: list[str], approve: Approval) -> list[str]:

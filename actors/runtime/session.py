@@ -103,6 +103,7 @@ __all__ = [
     "Session",
     "client_tools_problem",
     "require_trio",
+    "settled",
 ]
 
 Compactability = Literal["ok", "unsupported", "empty", "just_compacted"]
@@ -946,21 +947,31 @@ def _release_once_settled(port: SessionPort) -> None:
     let_go: trio.Event | None = None
 
     async def settle_then_release() -> None:
-        async with trio.open_nursery() as nursery:
-            if let_go is not None:
-                # The store's close lets every lock go: a sync that hangs past the host's
-                # shutdown bound must not hold the host's nursery open for ever.
-                nursery.start_soon(_cancel_when_set, let_go, nursery.cancel_scope)
-            await port.wait_idle()
-            await port.sync_trace_quietly()
+        if await settled(port, let_go):
             log.release(port.id)
-            nursery.cancel_scope.cancel()
 
     try:
         port.host.start_task(settle_then_release)
     except RuntimeError:
         return  # the host's nursery has ended: its store closed, letting every lock go
     let_go = cut_short(port.id)
+
+
+async def settled(port: SessionPort, let_go: trio.Event | None) -> bool:
+    """Wait until the work of ``port``'s session, closed, has ended and its trace is
+    synced (True), or ``let_go`` is set first (False): the host's store closed, which lets
+    every lock go — a sync that hangs past the host's shutdown bound must not hold the
+    host's nursery open for ever — or, for a close cut short, the session's trace was let
+    go (:func:`_release_once_settled`)."""
+    done = False
+    async with trio.open_nursery() as nursery:
+        if let_go is not None:
+            nursery.start_soon(_cancel_when_set, let_go, nursery.cancel_scope)
+        await port.wait_idle()
+        await port.sync_trace_quietly()
+        done = True
+        nursery.cancel_scope.cancel()
+    return done
 
 
 async def _cancel_when_set(event: trio.Event, scope: trio.CancelScope) -> None:

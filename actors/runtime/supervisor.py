@@ -621,9 +621,14 @@ def _leave_answers(out: OutputEmitter, port: SessionPort) -> None:
     machine = port.machine
     if not (port.closed and machine.has_queued_tasks):
         return
-    answers = machine.queued_tasks
+    _record_answers(out, port)
     machine.interrupt(f"session {port.id} closed")  # no task is open: only the queue goes
-    for answer in answers:
+
+
+def _record_answers(out: OutputEmitter, port: SessionPort) -> None:
+    """Record each child's answer queued in ``port``'s machine (in memory alone: no
+    ``queued_id``) as a queued follow-up (``task_queued``), for the next host."""
+    for answer in port.machine.queued_tasks:
         if isinstance(answer, TaskInput) and answer.queued_id is None:
             out.emit(queued_record(port, answer)[1])
 
@@ -707,9 +712,15 @@ def _interrupt(out: OutputEmitter, port: SessionPort, message: InterruptTask) ->
     """Interrupt the open task and drop the queue (R-ABORT-1), the recorded follow-ups with
     it: a host that takes the session up later does not run them. Scope ``tree`` ends the
     live subtree too. A node's own interrupt leaves its background children running: their
-    answers still reach it, as follow-ups (a closing host's: recorded queued)."""
+    answers still reach it, as follow-ups (a closing host's: recorded queued). A close
+    (R-HOST-3) drops no child's answer it has taken (R-TREE-2): each queued behind the task
+    is recorded queued now, each in its steering once the task has ended
+    (:func:`_leave_answers`), for the next host."""
     _drop_recorded(out, port, f"interrupted: {message.reason}")
-    port.machine.interrupt(message.reason, keep_answers=message.scope == "node")
+    closing = message.closing or port.closed
+    if closing:
+        _record_answers(out, port)
+    port.machine.interrupt(message.reason, keep_answers=closing or message.scope == "node")
     if message.scope == "tree":
         end_subtree(port, "parent task interrupted")
 
