@@ -40,6 +40,8 @@ Ctrl-C at the prompt asks for confirmation: a second one in a row leaves. Ctrl-D
 input) leaves at the prompt; during a task it leaves once the task has ended (Ctrl-C first
 to stop it sooner). ``/quit`` during a task interrupts it, then leaves. Leaving this way
 exits 0 and says how to come back (``greenroom chat --session ID``); usage errors exit 2.
+A tool that ignored the interrupt holds a leave at most ``LEAVE_GRACE_S`` (2 s), then the
+process exits without it (a Ctrl-C meanwhile: at once, exit 130).
 
 A failed model request that will be retried shows one live line on stderr that counts down
 in place on a terminal: ``[retry] attempt 2/6 in 0.4 s — overloaded`` (once, without the
@@ -102,6 +104,7 @@ from greenroom.actors.apps.run import (
     RunOptions,
     is_default_data_dir,
     leave_at_once,
+    leaving_in_bounded_time,
     open_reported_session,
     prepare_options,
     refusal_words,
@@ -235,6 +238,10 @@ def _is_terminal(stream: TextIO) -> bool:
 
 
 async def _chat(options: RunOptions) -> int:
+    return await leaving_in_bounded_time(_chat_in_host(options), lambda code: code)
+
+
+async def _chat_in_host(options: RunOptions) -> int:
     async with Host.open(
         data_dir=options.data_dir, observers=options.observers, prices=options.prices
     ) as host:

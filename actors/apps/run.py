@@ -14,9 +14,10 @@ import shutil
 import signal
 import stat
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+import traceback
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NoReturn, TextIO
+from typing import Any, NoReturn, TextIO, TypeVar
 
 import attrs
 import trio
@@ -25,6 +26,7 @@ from greenroom.actors.apps.asking import TerminalApprover, approver_for
 from greenroom.actors.apps.exits import (
     EXIT_ABORTED,
     EXIT_AUTH,
+    EXIT_BROKEN_PIPE,
     EXIT_CODES,
     EXIT_FAILED,
     EXIT_USAGE,
@@ -624,6 +626,12 @@ async def open_reported_session(host: Host, options: RunOptions) -> Session | No
 
 
 async def _run_task(options: RunOptions, out: TextIO) -> RunResult:
+    return await leaving_in_bounded_time(
+        _run_in_host(options, out), lambda result: result.exit_code, out
+    )
+
+
+async def _run_in_host(options: RunOptions, out: TextIO) -> RunResult:
     async with Host.open(
         data_dir=options.data_dir,
         observers=options.observers,
@@ -761,9 +769,105 @@ async def leave_at_once(host: Host) -> NoReturn:
             # flight, and nothing after it waits for the tools.
             await host.trace_store.aclose()
     finally:
-        for path in _REMOVED_WHEN_LEAVING:
-            shutil.rmtree(path, ignore_errors=True)
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(OSError, ValueError):
-                stream.flush()
-        os._exit(EXIT_ABORTED)
+        _exit_now(EXIT_ABORTED)
+
+
+def _exit_now(code: int, streams: Sequence[TextIO] = ()) -> NoReturn:
+    """End the process with ``code`` without unwinding anything (trio would wait for the
+    tasks left behind): the directories of :func:`remove_when_leaving` are removed and the
+    output streams flushed first."""
+    for path in _REMOVED_WHEN_LEAVING:
+        shutil.rmtree(path, ignore_errors=True)
+    for stream in (*streams, sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(code)
+
+
+LEAVE_POLL_S = 0.01
+"""How often a leave that waits for the tasks left behind looks whether they have ended."""
+
+_T = TypeVar("_T")
+
+
+async def leaving_in_bounded_time(
+    work: Awaitable[_T], exit_code: Callable[[_T], int], *streams: TextIO
+) -> _T:
+    """What ``work`` returns (or raises) — the whole of a command's trio run but its end,
+    its host opened and closed (every record written) — unless the run's end would wait
+    for ever for tasks left behind: tools a task abandoned because they ignore the
+    interrupt (R-SEC-2), still running in trio's system tasks, which trio waits for once the
+    main task has returned and which no Ctrl-C reaches then. They get :data:`LEAVE_GRACE_S`
+    to end; then the process exits with the code the command documents — ``exit_code`` of
+    the result, 130 for an interrupt (at once: a Ctrl-C asks not to wait), 141 for a reader
+    that went away, 1 with the traceback for any other error — with ``streams`` flushed. A
+    Ctrl-C while it waits leaves at once (exit 130). Must be awaited by the main task."""
+    try:
+        result = await work
+    except BaseException as exc:
+        leaves = list(_leaves(exc))
+        if any(isinstance(leaf, KeyboardInterrupt) for leaf in leaves):
+            if not await _ended_within(0.0, streams):
+                print_error("interrupted")
+                _exit_now(EXIT_ABORTED, streams)
+        elif not await _ended_within(LEAVE_GRACE_S, streams):
+            if any(isinstance(leaf, BrokenPipeError) for leaf in leaves):
+                _exit_now(EXIT_BROKEN_PIPE, streams)  # quietly, as main() ends then
+            traceback.print_exception(exc)
+            _exit_now(EXIT_FAILED, streams)
+        raise
+    if not await _ended_within(LEAVE_GRACE_S, streams):
+        _exit_now(exit_code(result), streams)
+    return result
+
+
+async def _ended_within(grace_s: float, streams: Sequence[TextIO]) -> bool:
+    """Whether no task is left behind, or none is any more within ``grace_s``; a Ctrl-C
+    meanwhile leaves at once (exit 130)."""
+    try:
+        own = await _trio_own_task()
+        with trio.move_on_after(grace_s):
+            # Looked at, not awaited: trio offers no wait for the end of a system task.
+            while _left_behind(own):  # noqa: ASYNC110
+                await trio.sleep(LEAVE_POLL_S)
+            return True
+        return not _left_behind(own)
+    except KeyboardInterrupt:
+        print_error("interrupted: leaving now")
+        _exit_now(EXIT_ABORTED, streams)
+
+
+def _left_behind(own: trio.lowlevel.Task) -> list[trio.lowlevel.Task]:
+    """The tasks trio's run would wait for after the calling (main) task has returned: the
+    system tasks, but ``own`` (trio's own, which ends with the run)."""
+    main = trio.lowlevel.current_task()
+    root = trio.lowlevel.current_root_task()
+    return [
+        task
+        for nursery in (root.child_nurseries if root is not None else ())
+        for task in nursery.child_tasks
+        if task is not main and task is not own
+    ]
+
+
+async def _trio_own_task() -> trio.lowlevel.Task:
+    """The system task in which trio runs the ``run_sync_soon`` callbacks (found as the
+    task one of them runs in: trio gives it no public name)."""
+    found: list[trio.lowlevel.Task] = []
+    ran = trio.Event()
+
+    def note() -> None:
+        found.append(trio.lowlevel.current_task())
+        ran.set()
+
+    trio.lowlevel.current_trio_token().run_sync_soon(note)
+    await ran.wait()
+    return found[0]
+
+
+def _leaves(exc: BaseException) -> Iterator[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield exc
