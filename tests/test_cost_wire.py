@@ -40,6 +40,34 @@ def per_million(*terms: tuple[int, float]) -> float:
     return sum(tokens * rate for tokens, rate in terms) / 1_000_000
 
 
+def anthropic(url: str) -> ModelProvider:
+    return AnthropicProvider(base_url=url, api_key="test-key")
+
+
+def paused_reply(input_tokens: int, after_events: int) -> tuple[Paused, trio.Event]:
+    """A reply ``one two three`` in two text deltas, its usage ``input_tokens`` in and 10
+    out, held after its first ``after_events`` SSE events until the returned event is set."""
+    resume = trio.Event()
+    reply = Reply([Text("one two three", chunks=["one ", "two three"])], usage=(input_tokens, 10))
+    return Paused(reply, after_events=after_events, resume=resume), resume
+
+
+async def a_crashed_hosts_next_task_is_over_budget(
+    crashed: Path, session_id: str, make: Callable[[str], ModelProvider]
+) -> None:
+    """On the data dir a host left as it died mid-stream (``crashed``), the session's next
+    task ends ``budget_exceeded`` and sends nothing: the ledger counted the request that
+    was under way."""
+    async with open_mock_server(Reply([Text("never sent")])) as server:
+        async with Host.open(crashed) as host:
+            loaded = await host.load_session(session_id, provider=make(server.base_url))
+            with trio.fail_after(10):
+                again = [o async for o in loaded.run("again")]
+        end = again[-1]
+        assert isinstance(end, TaskEnd) and end.status == "budget_exceeded", end
+        assert server.requests == []
+
+
 CASES: list[tuple[str, str, list[Fixture], Callable[[str], ModelProvider], list[float]]] = [
     (
         "anthropic",
@@ -106,12 +134,8 @@ async def test_an_interrupted_request_costs_the_input_its_stream_reported(tmp_pa
     and the task is interrupted mid-answer. The provider bills them, so they are in
     token_usage, task_end, the ledger, and the session's budget: the next task's first
     request could pass max_cost_usd=0.5 and is not sent."""
-    resume = trio.Event()
-    held = Paused(
-        Reply([Text("one two three", chunks=["one ", "two three"])], usage=(100_000, 10)),
-        after_events=3,  # message_start, content_block_start and the first delta
-        resume=resume,
-    )
+    # message_start, content_block_start and the first delta
+    held, resume = paused_reply(input_tokens=100_000, after_events=3)
     data = tmp_path / "data"
     async with open_mock_server(held) as server, Host.open(data) as host:
         session = await host.create_session(
@@ -187,12 +211,8 @@ async def test_a_streamed_requests_input_is_in_the_ledger_before_its_end(tmp_pat
     the request counted: a host opened on the data dir as it was then (the crash's state)
     counts it against the session's ``max_cost_usd`` and sends nothing more. The request's
     end replaces the row: one row a request, its final usage."""
-    resume = trio.Event()
-    held = Paused(
-        Reply([Text("one two three", chunks=["one ", "two three"])], usage=(100_000, 10)),
-        after_events=3,  # message_start, content_block_start and the first delta
-        resume=resume,
-    )
+    # message_start, content_block_start and the first delta
+    held, resume = paused_reply(input_tokens=100_000, after_events=3)
     data, crashed = tmp_path / "data", tmp_path / "crashed"
     started_cost = per_million((100_000, 3.0))
     async with open_mock_server(held) as server, Host.open(data) as host:
@@ -224,17 +244,7 @@ async def test_a_streamed_requests_input_is_in_the_ledger_before_its_end(tmp_pat
         pytest.approx(full)
     ]
 
-    async with open_mock_server(Reply([Text("never sent")])) as server:
-        async with Host.open(crashed) as host:
-            loaded = await host.load_session(
-                session.id,
-                provider=AnthropicProvider(base_url=server.base_url, api_key="test-key"),
-            )
-            with trio.fail_after(10):
-                again = [o async for o in loaded.run("again")]
-        end = again[-1]
-        assert isinstance(end, TaskEnd) and end.status == "budget_exceeded", end
-        assert server.requests == []
+    await a_crashed_hosts_next_task_is_over_budget(crashed, session.id, anthropic)
     assert [r["status"] for r in ledger_rows(crashed)] == ["started"]
 
 

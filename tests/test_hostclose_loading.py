@@ -19,14 +19,20 @@ from greenroom.actors.runtime.errors import HostClosed
 from greenroom.actors.runtime.host import Host
 
 
-async def test_a_session_loading_as_its_host_closes_is_closed_with_it(
-    data_dir: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def a_saved_session(data_dir: Path, workspace: Path) -> tuple[ScriptedProvider, str]:
+    """A session that ran one task, its host closed since: the provider that answers
+    ``hello``, and the session's id."""
     hello = ScriptedProvider(lambda request: Reply(blocks=(text("hello"),)))
     async with open_host(data_dir) as host:
         session = await host.create_session(provider=hello, workspace_dir=workspace)
         await session.run("hello").collect()
-    session_id = session.id
+    return hello, session.id
+
+
+async def test_a_session_loading_as_its_host_closes_is_closed_with_it(
+    data_dir: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hello, session_id = await a_saved_session(data_dir, workspace)
 
     async def load(host: Host) -> None:
         # A host may refuse it as well; what it must not do is leave it open.

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import trio
 from conftest import RUN_TIMEOUT_S, open_host
+from test_hostclose_loading import a_saved_session
 from test_x15_close_answers import hold_loads_until_close
 
-from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text
 from greenroom.actors.runtime.errors import HostClosed
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.session_ids import OpeningSessions
@@ -48,11 +48,7 @@ def _second_load_goes_on_last(
 async def test_s15close_a_load_waiting_for_another_as_its_host_closes_is_refused(
     data_dir: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    hello = ScriptedProvider(lambda request: Reply(blocks=(text("hello"),)))
-    async with open_host(data_dir) as host:
-        session = await host.create_session(provider=hello, workspace_dir=workspace)
-        await session.run("hello").collect()
-    session_id = session.id
+    hello, session_id = await a_saved_session(data_dir, workspace)
 
     closed_ids: list[str] = []
     closed = trio.Event()

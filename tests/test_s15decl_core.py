@@ -14,6 +14,7 @@ from test_people import last_result, until_parked
 from greenroom.actors.providers.scripted import Reply, ScriptedProvider, text, tool_call
 from greenroom.actors.runtime.errors import NotPending
 from greenroom.actors.runtime.host import Host
+from greenroom.actors.runtime.session import RunStream
 from greenroom.actors.tools.questions import ask_user
 from greenroom.protocols.content import TextBlock
 from greenroom.protocols.markers import DECLINED_ANSWER
@@ -21,13 +22,19 @@ from greenroom.protocols.outputs import ApprovalDecision, TaskEnd, ToolCallOutpu
 from greenroom.protocols.people import PEOPLE
 
 
-def size_question(**choices: list[str]) -> ScriptedProvider:
-    return ScriptedProvider(
-        [
-            Reply(blocks=(tool_call("q1", "ask_user", question="Which size?", **choices),)),
-            Reply(blocks=(text("Noted."),)),
-        ]
+async def parked_size_question(
+    host: Host, workspace: Path
+) -> tuple[ScriptedProvider, str, RunStream]:
+    """A task parked on the model's ``ask_user`` question "Which size?" (S or M): its
+    provider, its session's id and its stream."""
+    ask = tool_call("q1", "ask_user", question="Which size?", choices=["S", "M"])
+    provider = ScriptedProvider([Reply(blocks=(ask,)), Reply(blocks=(text("Noted."),))])
+    session = await host.create_session(
+        provider=provider, tools=[ask_user], workspace_dir=workspace
     )
+    stream = session.run("order me a shirt", approve=PEOPLE)
+    await until_parked(host, session.id)
+    return provider, session.id, stream
 
 
 async def test_a_deny_declines_the_models_question_and_the_trace_says_declined(
@@ -38,15 +45,10 @@ async def test_a_deny_declines_the_models_question_and_the_trace_says_declined(
     ``(the person declined to answer)`` given as the answer. Now the deny is taken: the
     decision is recorded as ``deny`` by the person, the model reads the decline's words as
     the call's (denied) result, and the task goes on."""
-    provider = size_question(choices=["S", "M"])
-    session = await host.create_session(
-        provider=provider, tools=[ask_user], workspace_dir=workspace
-    )
-    stream = session.run("order me a shirt", approve=PEOPLE)
-    await until_parked(host, session.id)
+    provider, session_id, stream = await parked_size_question(host, workspace)
     with pytest.raises(NotPending, match="answer it with text"):
-        await host.answer_approval(session.id, "q1", "allow", by="carol")
-    await host.answer_approval(session.id, "q1", "deny", by="carol")
+        await host.answer_approval(session_id, "q1", "allow", by="carol")
+    await host.answer_approval(session_id, "q1", "deny", by="carol")
     outputs = await collect(stream)
     (decision,) = of_type(outputs, ApprovalDecision)
     assert (decision.decision, decision.by, decision.principal) == ("deny", "client", "carol")
@@ -64,15 +66,10 @@ async def test_text_that_reads_as_the_decline_is_an_answer_held_to_the_choices(
     and the text became the call's result. Now typed text is an answer like any other:
     refused as none of the choices, the question still waiting; the person's real choice
     is then the result."""
-    provider = size_question(choices=["S", "M"])
-    session = await host.create_session(
-        provider=provider, tools=[ask_user], workspace_dir=workspace
-    )
-    stream = session.run("order me a shirt", approve=PEOPLE)
-    await until_parked(host, session.id)
+    _, session_id, stream = await parked_size_question(host, workspace)
     with pytest.raises(NotPending, match="choose one of"):
-        await host.answer_question(session.id, "q1", DECLINED_ANSWER, by="carol")
-    await host.answer_question(session.id, "q1", "M", by="carol")
+        await host.answer_question(session_id, "q1", DECLINED_ANSWER, by="carol")
+    await host.answer_question(session_id, "q1", "M", by="carol")
     outputs = await collect(stream)
     (decision,) = of_type(outputs, ApprovalDecision)
     assert (decision.decision, decision.by) == ("allow", "client")

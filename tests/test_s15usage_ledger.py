@@ -12,22 +12,29 @@ event was handed on. The real clients run against the loopback mock server."""
 from __future__ import annotations
 
 import shutil
-import sqlite3
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import attrs
 import pytest
 import trio
 import trio.testing
 from conftest import ledger_rows
+from test_cost_wire import (
+    a_crashed_hosts_next_task_is_over_budget,
+    anthropic,
+    paused_reply,
+    per_million,
+)
+from test_trace_sink import running_sink, write_old_ledger
 
-from greenroom.actors.providers.anthropic import AnthropicProvider
 from greenroom.actors.providers.openai import OpenAIProvider
 from greenroom.actors.providers.openai_responses import OpenAIResponsesProvider
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.llm_streamer import ModelProvider
-from greenroom.actors.runtime.trace_sink import LEDGER_FILE_NAME, TraceSink, usage_report
+from greenroom.actors.runtime.session import RunStream, Session
+from greenroom.actors.runtime.trace_sink import LEDGER_FILE_NAME, usage_report
 from greenroom.protocols.budgets import estimate_input_tokens
 from greenroom.protocols.context import ModelRequest
 from greenroom.protocols.hooks import Hooks, RequestInfo
@@ -37,7 +44,6 @@ from greenroom.protocols.trace import UsageQuery, UsageRow
 from tests.support.mock_model_server import (
     DropAfter,
     ErrorReply,
-    Paused,
     Reply,
     Text,
     open_mock_server,
@@ -45,10 +51,6 @@ from tests.support.mock_model_server import (
 
 PROMPT = "word " * 80_000
 """400,000 characters: about 100,000 input tokens, which the budgets below notice."""
-
-
-def per_million(*terms: tuple[int, float]) -> float:
-    return sum(tokens * rate for tokens, rate in terms) / 1_000_000
 
 
 def _openai(url: str) -> ModelProvider:
@@ -59,13 +61,59 @@ def _responses(url: str) -> ModelProvider:
     return OpenAIResponsesProvider(base_url=url + "/v1", api_key="k")
 
 
-# (provider, model, its input and output rates, the SSE events before the first text delta
-# and that delta)
-OPENAI_CASES: list[tuple[str, Callable[[str], ModelProvider], str, float, int]] = [
-    ("openai", _openai, "gpt-4o", 2.5, 2),  # the role chunk, then the first delta
+class OpenAICase(NamedTuple):
+    """A provider whose stream reports its usage only at its end: (provider, model, its
+    input and output rates, the SSE events before the first text delta and that delta)."""
+
+    name: str
+    make: Callable[[str], ModelProvider]
+    model: str
+    rate: float
+    before_delta: int
+
+
+OPENAI_CASES = [
+    OpenAICase("openai", _openai, "gpt-4o", 2.5, 2),  # the role chunk, then the first delta
     # response.created, output_item.added, then the first delta
-    ("openai-responses", _responses, "gpt-4.1", 2.0, 3),
+    OpenAICase("openai-responses", _responses, "gpt-4.1", 2.0, 3),
 ]
+
+
+@pytest.fixture(params=OPENAI_CASES, ids=[case.name for case in OPENAI_CASES])
+def openai_case(request: pytest.FixtureRequest) -> OpenAICase:
+    case: OpenAICase = request.param
+    return case
+
+
+async def _openai_session(
+    host: Host,
+    case: OpenAICase,
+    url: str,
+    workspace: Path,
+    max_cost_usd: float,
+    requests: _Requests,
+) -> Session:
+    """A session on the case's provider (served at ``url``) that keeps its requests in
+    ``requests``, its answers at most 100 tokens."""
+    return await host.create_session(
+        provider=case.make(url), model=case.model, workspace_dir=workspace,
+        max_cost_usd=max_cost_usd, max_tokens=100, hooks=Hooks(before_request=requests),
+    )  # fmt: skip
+
+
+async def _copied_at_first_delta(
+    stream: RunStream, resume: trio.Event, data: Path, crashed: Path
+) -> list[dict[str, object]]:
+    """Read the task's stream to its end. At its first text delta, copy the data dir to
+    ``crashed`` (what a SIGKILL then would leave: nobody asked for a flush), then let the
+    held reply go on (``resume``). The ledger's rows at that moment."""
+    seen: list[dict[str, object]] = []
+    async for output in stream:
+        if isinstance(output, PartialText) and not resume.is_set():
+            seen = ledger_rows(data)
+            await trio.to_thread.run_sync(shutil.copytree, data, crashed)
+            resume.set()
+    return seen
 
 
 class _Requests:
@@ -87,25 +135,16 @@ async def test_a_started_row_is_on_disk_before_the_streams_first_event_is_handed
     handing the batch on). A host opened on the data dir as it was then counts it against
     ``max_cost_usd`` and sends nothing more. Before, the row waited up to a quarter of a
     second for company: a host killed meanwhile left a billed request with no row."""
-    resume = trio.Event()
-    held = Paused(
-        Reply([Text("one two three", chunks=["one ", "two three"])], usage=(100_000, 10)),
-        after_events=3,  # message_start, content_block_start and the first delta
-        resume=resume,
-    )
+    # message_start, content_block_start and the first delta
+    held, resume = paused_reply(input_tokens=100_000, after_events=3)
     data, crashed = tmp_path / "data", tmp_path / "crashed"
-    seen: list[dict[str, object]] = []
     async with open_mock_server(held) as server, Host.open(data) as host:
         session = await host.create_session(
-            provider=AnthropicProvider(base_url=server.base_url, api_key="test-key"),
+            provider=anthropic(server.base_url),
             model="claude-sonnet-4-5", workspace_dir=tmp_path, max_cost_usd=0.2,
             max_tokens=100,
         )  # fmt: skip
-        async for output in session.run("go"):
-            if isinstance(output, PartialText) and not resume.is_set():
-                seen = ledger_rows(data)  # what a SIGKILL now would leave
-                await trio.to_thread.run_sync(shutil.copytree, data, crashed)
-                resume.set()
+        seen = await _copied_at_first_delta(session.run("go"), resume, data, crashed)
     assert [(r["status"], r["input"], r.get("estimated")) for r in seen] == [
         ("started", 100_000, 0)
     ]
@@ -114,29 +153,13 @@ async def test_a_started_row_is_on_disk_before_the_streams_first_event_is_handed
     assert (row["request_key"], row["status"], row["output"]) == (seen[0]["request_key"], "ok", 10)
     assert seen[0]["run_id"] == row["run_id"] and row["run_id"]
     assert seen[0]["turn"] == row["turn"] == 1
-
-    async with open_mock_server(Reply([Text("never sent")])) as server:
-        async with Host.open(crashed) as host:
-            loaded = await host.load_session(
-                session.id,
-                provider=AnthropicProvider(base_url=server.base_url, api_key="test-key"),
-            )
-            again = [o async for o in loaded.run("again")]
-        assert server.requests == []
-    end = again[-1]
-    assert isinstance(end, TaskEnd) and end.status == "budget_exceeded", end
+    await a_crashed_hosts_next_task_is_over_budget(crashed, session.id, anthropic)
 
 
-@pytest.mark.parametrize(("name", "make", "model", "rate", "before_delta"), OPENAI_CASES,
-                         ids=[case[0] for case in OPENAI_CASES])  # fmt: skip
 async def test_an_openai_stream_has_an_estimated_row_before_its_first_event_is_handed_on(
     tmp_path: Path,
     mock_clock: trio.testing.MockClock,
-    name: str,
-    make: Callable[[str], ModelProvider],
-    model: str,
-    rate: float,
-    before_delta: int,
+    openai_case: OpenAICase,
 ) -> None:
     """R-SHARE-3, R-SHARE-4: an OpenAI stream reports its usage only at its end. When its
     first text delta reaches the client, the ledger file holds the request's ``started``
@@ -145,25 +168,13 @@ async def test_an_openai_stream_has_an_estimated_row_before_its_first_event_is_h
     ``max_cost_usd`` and sends nothing. The end replaces the row with the usage the
     provider reported, no longer an estimate. Before, nothing was written until the end:
     a host that died mid-stream left the request uncounted."""
-    resume = trio.Event()
-    held = Paused(
-        Reply([Text("one two three", chunks=["one ", "two three"])], usage=(90_000, 10)),
-        after_events=before_delta + 1,
-        resume=resume,
-    )
+    rate, before_delta = openai_case.rate, openai_case.before_delta
+    held, resume = paused_reply(input_tokens=90_000, after_events=before_delta + 1)
     data, crashed = tmp_path / "data", tmp_path / "crashed"
     requests = _Requests()
-    seen: list[dict[str, object]] = []
     async with open_mock_server(held) as server, Host.open(data) as host:
-        session = await host.create_session(
-            provider=make(server.base_url), model=model, workspace_dir=tmp_path,
-            max_cost_usd=0.3, max_tokens=100, hooks=Hooks(before_request=requests),
-        )  # fmt: skip
-        async for output in session.run(PROMPT):
-            if isinstance(output, PartialText) and not resume.is_set():
-                seen = ledger_rows(data)
-                await trio.to_thread.run_sync(shutil.copytree, data, crashed)
-                resume.set()
+        session = await _openai_session(host, openai_case, server.base_url, tmp_path, 0.3, requests)
+        seen = await _copied_at_first_delta(session.run(PROMPT), resume, data, crashed)
         server.assert_clean()
     (sent,) = requests.sent
     estimate = estimate_input_tokens(sent)
@@ -175,44 +186,24 @@ async def test_an_openai_stream_has_an_estimated_row_before_its_first_event_is_h
     (row,) = ledger_rows(data)
     assert (row["request_key"], row["status"]) == (seen[0]["request_key"], "ok")
     assert (row["input"], row["output"], row["estimated"]) == (90_000, 10, 0)
-
-    async with open_mock_server(Reply([Text("never sent")])) as server:
-        async with Host.open(crashed) as host:
-            loaded = await host.load_session(session.id, provider=make(server.base_url))
-            again = [o async for o in loaded.run("again")]
-        assert server.requests == []
-    end = again[-1]
-    assert isinstance(end, TaskEnd) and end.status == "budget_exceeded", end
+    await a_crashed_hosts_next_task_is_over_budget(crashed, session.id, openai_case.make)
 
 
-@pytest.mark.parametrize(("name", "make", "model", "rate", "before_delta"), OPENAI_CASES,
-                         ids=[case[0] for case in OPENAI_CASES])  # fmt: skip
 async def test_an_interrupted_openai_request_costs_its_estimated_input(
     tmp_path: Path,
-    name: str,
-    make: Callable[[str], ModelProvider],
-    model: str,
-    rate: float,
-    before_delta: int,
+    openai_case: OpenAICase,
 ) -> None:
     """R-SHARE-3, R-SHARE-4: an OpenAI request interrupted mid-answer never gets its usage
     (it comes at the stream's end), but the provider bills its input. It is counted at its
     estimated input: in ``token_usage``, ``task_end``, the ledger (the row flagged
     ``estimated``) and the session's budget, so the next task's first request, which
     could pass ``max_cost_usd``, is not sent. Before, the cut request cost nothing."""
-    resume = trio.Event()
-    held = Paused(
-        Reply([Text("one two three", chunks=["one ", "two three"])], usage=(90_000, 10)),
-        after_events=before_delta + 1,
-        resume=resume,
-    )
+    rate, before_delta = openai_case.rate, openai_case.before_delta
+    held, resume = paused_reply(input_tokens=90_000, after_events=before_delta + 1)
     data = tmp_path / "data"
     requests = _Requests()
     async with open_mock_server(held) as server, Host.open(data) as host:
-        session = await host.create_session(
-            provider=make(server.base_url), model=model, workspace_dir=tmp_path,
-            max_cost_usd=0.4, max_tokens=100, hooks=Hooks(before_request=requests),
-        )  # fmt: skip
+        session = await _openai_session(host, openai_case, server.base_url, tmp_path, 0.4, requests)
         outputs: list[Output] = []
         with trio.fail_after(20):
             async for output in session.run(PROMPT):
@@ -274,18 +265,13 @@ async def test_an_openai_stream_cut_by_the_network_is_billed_at_its_estimate(
     ]
 
 
-@pytest.mark.parametrize(("name", "make", "model", "rate", "before_delta"), OPENAI_CASES,
-                         ids=[case[0] for case in OPENAI_CASES])  # fmt: skip
 async def test_an_openai_request_refused_before_its_stream_began_costs_nothing(
     tmp_path: Path,
-    name: str,
-    make: Callable[[str], ModelProvider],
-    model: str,
-    rate: float,
-    before_delta: int,
+    openai_case: OpenAICase,
 ) -> None:
     """A request the provider refuses (an HTTP error, no stream) is not billed: no
     estimate is written for it, and nothing is spent."""
+    make, model = openai_case.make, openai_case.model
     refused = ErrorReply.openai(400, "invalid_request_error", "no such thing")
     data = tmp_path / "data"
     async with open_mock_server(refused) as server, Host.open(data) as host:
@@ -300,43 +286,30 @@ async def test_an_openai_request_refused_before_its_stream_began_costs_nothing(
     assert ledger_rows(data) == []
 
 
-LEDGER_BEFORE_ESTIMATES = """
-CREATE TABLE usage (
-    id INTEGER PRIMARY KEY AUTOINCREMENT, at REAL NOT NULL, session_id TEXT NOT NULL,
-    run_id TEXT, turn INTEGER, kind TEXT NOT NULL, provider TEXT NOT NULL, model TEXT NOT NULL,
-    input INTEGER NOT NULL DEFAULT 0, output INTEGER NOT NULL DEFAULT 0,
-    cache_read INTEGER NOT NULL DEFAULT 0, cache_write INTEGER NOT NULL DEFAULT 0,
-    total INTEGER NOT NULL DEFAULT 0, status TEXT, error_message TEXT, cost_usd REAL,
-    principal TEXT, root_id TEXT, request_key TEXT
-)
-"""
-
-
 async def test_a_ledger_from_before_estimates_gains_the_column(tmp_path: Path) -> None:
     """R-TRACE-5: a ledger written before estimates were flagged is read as before, and
     the sink that opens it adds the ``estimated`` column: its old rows keep NULL there, an
     estimated row that replaces its started one has 1, and the reports count both."""
     ledger = tmp_path / LEDGER_FILE_NAME
-    with sqlite3.connect(ledger) as conn:
-        conn.execute(LEDGER_BEFORE_ESTIMATES)
-        conn.execute(
-            "INSERT INTO usage (at, session_id, kind, provider, model, input, total, status,"
-            " cost_usd) VALUES (10.0, 'old', 'request', 'openai', 'gpt-4o', 1000, 1000, 'ok',"
-            " 0.0025)"
-        )
-    conn.close()
+    write_old_ledger(
+        ledger,
+        "INSERT INTO usage (at, session_id, kind, provider, model, input, total, status,"
+        " cost_usd) VALUES (10.0, 'old', 'request', 'openai', 'gpt-4o', 1000, 1000, 'ok',"
+        " 0.0025)",
+        "cost_usd REAL",
+        "principal TEXT",
+        "root_id TEXT",
+        "request_key TEXT",
+    )
     started = UsageRow(at=20.0, session_id="new", run_id="r1", turn=1, kind="request",
                        provider="openai", model="gpt-4o",
                        usage=TokenUsage(input=400, cost_usd=0.001), status="started",
                        request_key="k", estimated=True)  # fmt: skip
-    sink = TraceSink(tmp_path)
     with trio.fail_after(20):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(sink.run)
+        async with running_sink(tmp_path) as sink:
             sink.record_usage(started)
             await sink.flush_usage()
             sink.record_usage(attrs.evolve(started, status="ok"))
-            await sink.aclose()
     rows = ledger_rows(tmp_path)
     assert [(r["session_id"], r["status"], r["input"], r["estimated"]) for r in rows] == [
         ("old", "ok", 1000, None),

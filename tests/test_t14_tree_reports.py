@@ -6,6 +6,8 @@ up by the next host (held by a drain, then ``resume_tasks``)."""
 from __future__ import annotations
 
 import math
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -26,34 +28,91 @@ from greenroom.protocols.context import ModelRequest, UserMessage
 from greenroom.protocols.outputs import Output
 
 
-def _model(request: ModelRequest) -> Reply:
+def scout_model(answer: str, then: str, later: str) -> Callable[[ModelRequest], Reply]:
     """The root starts the scout in the background; the scout works (``slow``) and
-    answers ``first answer``; its follow-up ``then say bye`` answers ``second answer``."""
-    last = request.messages[-1]
-    said = str(last.content) if isinstance(last, UserMessage) else ""
-    if (request.system or "").startswith(SUBAGENT_SYSTEM):
-        if "then say bye" in said:
-            return Reply(blocks=(text("second answer"),))
+    answers ``answer``; a run on it whose prompt says ``then`` answers ``later``."""
+
+    def model(request: ModelRequest) -> Reply:
+        last = request.messages[-1]
+        said = str(last.content) if isinstance(last, UserMessage) else ""
+        if (request.system or "").startswith(SUBAGENT_SYSTEM):
+            if then in said:
+                return Reply(blocks=(text(later),))
+            if _results(request):
+                return Reply(blocks=(text(answer),))
+            return Reply(blocks=(tool_call("w1", "slow", x=1),))
+        if "[subagent scout finished]" in said:
+            return Reply(blocks=(text("the root merged it"),))
         if _results(request):
-            return Reply(blocks=(text("first answer"),))
-        return Reply(blocks=(tool_call("w1", "slow", x=1),))
-    if "[subagent scout finished]" in said:
-        return Reply(blocks=(text("the root merged it"),))
-    if _results(request):
-        return Reply(blocks=(text("the scout works on it"),))
-    scout = {"task": "scout the notes", "background": True, "name": "scout"}
-    return Reply(blocks=(ToolCallBlock(id="s1", name="spawn_subagent", arguments=scout),))
+            return Reply(blocks=(text("the scout works on it"),))
+        scout = {"task": "scout the notes", "background": True, "name": "scout"}
+        return Reply(blocks=(ToolCallBlock(id="s1", name="spawn_subagent", arguments=scout),))
+
+    return model
 
 
-async def _scout_with_a_follow_up(host: Host, root: Session, slow: SlowTool) -> Session:
+_model = scout_model("first answer", "then say bye", "second answer")
+"""The scout answers ``first answer``; its follow-up ``then say bye`` answers ``second
+answer``."""
+
+
+async def _started_scout(root: Session, slow: SlowTool, follow_up: str | None) -> Session:
     """Run the root's task until the scout's ``slow`` runs, and queue the scout's
-    follow-up behind its task."""
+    ``follow_up`` (when there is one) behind its task."""
     root.run("scout through a subagent", approve=allow_all).detach()
     with trio.fail_after(RUN_TIMEOUT_S):
         await slow.started.wait()
         (scout,) = await root.children()
-    assert scout.follow_up("then say bye", approve=allow_all)
+    if follow_up is not None:
+        assert scout.follow_up(follow_up, approve=allow_all)
     return scout
+
+
+async def drained_scout(
+    data_dir: Path,
+    workspace: Path,
+    script: Callable[[ModelRequest], Reply],
+    slow: SlowTool,
+    follow_up: str | None = None,
+) -> tuple[str, str]:
+    """Start the scout (with ``follow_up`` queued behind its task, when given), then drain
+    the host while the scout's call runs: the drain holds the scout at its boundary. The
+    ids of the root and the scout."""
+    model = ScriptedProvider(script)
+    async with open_host(data_dir) as host:
+        root = await host.create_session(
+            provider=model, tools=[slow.tool, spawn_subagent], workspace_dir=workspace
+        )
+        scout = await _started_scout(root, slow, follow_up)
+        with trio.fail_after(RUN_TIMEOUT_S):
+            await root.wait_idle()
+            held = await drain_releasing(host, slow)
+        assert held == [scout.id]
+    return root.id, scout.id
+
+
+@asynccontextmanager
+async def taken_up(
+    data_dir: Path,
+    script: Callable[[ModelRequest], Reply],
+    slow: SlowTool,
+    ids: tuple[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    observers: Sequence[Callable[[Session], None]] = (),
+) -> AsyncIterator[tuple[Session, trio.MemoryReceiveChannel[list[Output]]]]:
+    """The next host on the data dir (its ``observers`` given), with the root of ``ids``
+    (root, scout) loaded and watched, once it has taken up the scout's held task
+    (``resume_tasks``): the root, and what it publishes from then on."""
+    root_id, scout_id = ids
+    tools: list[Any] = [slow.tool, spawn_subagent]
+    # The host loads the taken-up sessions with the provider their session.json names.
+    monkeypatch.setattr(scripted_brain, "demo_brain", script)
+    async with Host.open(data_dir, tools=tools, observers=list(observers)) as host:
+        root = await host.load_session(root_id, provider=ScriptedProvider(script), tools=tools)
+        send, inbox = trio.open_memory_channel[list[Output]](math.inf)
+        root.watch(send)
+        assert await host.resume_tasks(approve=allow_all) == [scout_id]
+        yield root, inbox
 
 
 async def test_a_live_child_reports_its_follow_ups_answer(data_dir: Path, workspace: Path) -> None:
@@ -66,7 +125,7 @@ async def test_a_live_child_reports_its_follow_ups_answer(data_dir: Path, worksp
         )
         send, inbox = trio.open_memory_channel[list[Output]](math.inf)
         root.watch(send)
-        await _scout_with_a_follow_up(host, root, slow)
+        await _started_scout(root, slow, "then say bye")
         slow.release.set()
         with trio.fail_after(RUN_TIMEOUT_S):
             seen: list[Output] = []
@@ -83,23 +142,8 @@ async def test_a_taken_up_child_reports_its_follow_ups_answer(
     it up: it answers, runs its follow-up, and reports the follow-up's answer. Before,
     the report was the first task's answer, sent once the follow-up had run."""
     slow = SlowTool()
-    model = ScriptedProvider(_model)
-    tools: list[Any] = [slow.tool, spawn_subagent]
-    async with open_host(data_dir) as host:
-        root = await host.create_session(provider=model, tools=tools, workspace_dir=workspace)
-        scout = await _scout_with_a_follow_up(host, root, slow)
-        with trio.fail_after(RUN_TIMEOUT_S):
-            await root.wait_idle()
-            held = await drain_releasing(host, slow)
-        assert held == [scout.id]
-
-    # The host loads the taken-up sessions with the provider their session.json names.
-    monkeypatch.setattr(scripted_brain, "demo_brain", _model)
-    async with Host.open(data_dir, tools=tools) as host:
-        root = await host.load_session(root.id, provider=model, tools=tools)
-        send, inbox = trio.open_memory_channel[list[Output]](math.inf)
-        root.watch(send)
-        assert await host.resume_tasks(approve=allow_all) == [scout.id]
+    ids = await drained_scout(data_dir, workspace, _model, slow, follow_up="then say bye")
+    async with taken_up(data_dir, _model, slow, ids, monkeypatch) as (_, inbox):
         with trio.fail_after(RUN_TIMEOUT_S):
             seen = await _until_task_end(inbox)
     assert _reports(seen) == ["[subagent scout finished] second answer"]

@@ -244,15 +244,24 @@ async def test_usage_rows_land_in_sqlite(tmp_path: Path) -> None:
     assert usage_totals(tmp_path / "missing.sqlite") == {}
 
 
-OLD_LEDGER = """
-CREATE TABLE usage (
+OLD_LEDGER_COLUMNS = """
     id INTEGER PRIMARY KEY AUTOINCREMENT, at REAL NOT NULL, session_id TEXT NOT NULL,
     run_id TEXT, turn INTEGER, kind TEXT NOT NULL, provider TEXT NOT NULL, model TEXT NOT NULL,
     input INTEGER NOT NULL DEFAULT 0, output INTEGER NOT NULL DEFAULT 0,
     cache_read INTEGER NOT NULL DEFAULT 0, cache_write INTEGER NOT NULL DEFAULT 0,
-    total INTEGER NOT NULL DEFAULT 0, status TEXT, error_message TEXT
-)
-"""
+    total INTEGER NOT NULL DEFAULT 0, status TEXT, error_message TEXT"""
+"""The ledger's columns before costs were recorded."""
+
+
+def write_old_ledger(ledger: Path, row: str, *later_columns: str) -> None:
+    """Write a ledger as an older greenroom left it: the table ``usage`` with the columns it
+    had before costs, then ``later_columns`` (those it had of the ones added since), and the
+    one row the INSERT statement ``row`` adds."""
+    columns = ", ".join((OLD_LEDGER_COLUMNS, *later_columns))
+    with sqlite3.connect(ledger) as conn:
+        conn.execute(f"CREATE TABLE usage ({columns}\n)")
+        conn.execute(row)
+    conn.close()
 
 
 async def test_a_ledger_from_before_costs_is_read_and_migrated(tmp_path: Path) -> None:
@@ -260,13 +269,11 @@ async def test_a_ledger_from_before_costs_is_read_and_migrated(tmp_path: Path) -
     cost (read-only, unchanged), and the sink that opens it adds the new columns: its old
     rows keep no cost, new rows carry theirs."""
     ledger = tmp_path / LEDGER_FILE_NAME
-    with sqlite3.connect(ledger) as conn:
-        conn.execute(OLD_LEDGER)
-        conn.execute(
-            "INSERT INTO usage (at, session_id, kind, provider, model, input, output, total)"
-            " VALUES (10.0, 'old', 'request', 'anthropic', 'claude-sonnet-4-5', 1000, 100, 1100)"
-        )
-    conn.close()
+    write_old_ledger(
+        ledger,
+        "INSERT INTO usage (at, session_id, kind, provider, model, input, output, total)"
+        " VALUES (10.0, 'old', 'request', 'anthropic', 'claude-sonnet-4-5', 1000, 100, 1100)",
+    )
     before = usage_report(ledger, UsageQuery(by="principal"))
     assert before == [UsageLine(key=None, requests=1, input=1000, output=100, total=1100,
                                 unpriced=1)]  # fmt: skip
