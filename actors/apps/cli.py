@@ -74,7 +74,12 @@ from greenroom.actors.apps.exits import (
     print_error,
 )
 from greenroom.actors.apps.parser import build_parser
-from greenroom.actors.apps.run import data_dir_from, refuse_unsafe_flag_file, run_command
+from greenroom.actors.apps.run import (
+    data_dir_from,
+    exception_leaves,
+    refuse_unsafe_flag_file,
+    run_command,
+)
 from greenroom.actors.apps.serve_command import acp_command, cluster_demo_command, serve_command
 from greenroom.actors.apps.trace_command import sessions_command, trace_command
 from greenroom.actors.providers import (
@@ -271,7 +276,7 @@ def _failure_exit_code(exc: BaseException, args: argparse.Namespace | None) -> i
     Exceptions leave trio's nurseries wrapped in exception groups, so the leaves are looked
     at: an interrupt wins (exit 130), then a reader that went away (exit 141, quietly),
     then the first problem of the user's command line or environment (exit 2)."""
-    leaves = list(_leaves(exc))
+    leaves = list(exception_leaves(exc))
     if any(isinstance(leaf, KeyboardInterrupt) for leaf in leaves):
         if args is not None and args.command == "serve":
             # Ctrl-C before the gateway listens for it: stopping is what it asks, either way.
@@ -289,14 +294,6 @@ def _failure_exit_code(exc: BaseException, args: argparse.Namespace | None) -> i
             _say_last(f"greenroom {args.command}: {message}")
             return EXIT_USAGE
     return None
-
-
-def _leaves(exc: BaseException) -> Iterator[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            yield from _leaves(inner)
-    else:
-        yield exc
 
 
 def _problem_message(exc: BaseException, args: argparse.Namespace) -> str | None:

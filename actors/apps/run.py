@@ -805,7 +805,7 @@ async def leaving_in_bounded_time(
     try:
         result = await work
     except BaseException as exc:
-        leaves = list(_leaves(exc))
+        leaves = list(exception_leaves(exc))
         if any(isinstance(leaf, KeyboardInterrupt) for leaf in leaves):
             if not await _ended_within(0.0, streams):
                 print_error("interrupted")
@@ -865,9 +865,10 @@ async def _trio_own_task() -> trio.lowlevel.Task:
     return found[0]
 
 
-def _leaves(exc: BaseException) -> Iterator[BaseException]:
+def exception_leaves(exc: BaseException) -> Iterator[BaseException]:
+    """The exceptions ``exc`` holds, groups opened to their leaves (or ``exc`` itself)."""
     if isinstance(exc, BaseExceptionGroup):
         for inner in exc.exceptions:
-            yield from _leaves(inner)
+            yield from exception_leaves(inner)
     else:
         yield exc
