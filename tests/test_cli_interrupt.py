@@ -159,22 +159,32 @@ def read_until(stream: Any, needle: bytes) -> bytes:
             return seen
 
 
-def test_a_second_sigint_exits_at_once_and_leaves_a_loadable_trace(tmp_path: Path) -> None:
+def start_stuck_run(tmp_path: Path) -> subprocess.Popen[bytes]:
+    """``greenroom run --json`` (data in ``tmp_path/data``) whose ``list_dir`` reports
+    progress, then blocks where no cancellation reaches it."""
     tools = tmp_path / "stuck_tools.py"
     tools.write_text(STUCK_TOOLS, encoding="utf-8")
-    data = tmp_path / "data"
-    process = subprocess.Popen(
+    return subprocess.Popen(
         [*CLI, "run", "--json", "--approve", "all", "--tools", str(tools),
-         "--data-dir", str(data), DEMO_PROMPT],
+         "--data-dir", str(tmp_path / "data"), DEMO_PROMPT],
         cwd=tmp_path, env=cli_env(tmp_path), stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
+
+
+def interrupt_stuck_run(
+    process: subprocess.Popen[bytes], then: bytes, again: bool
+) -> tuple[int, bytes, bytes]:
+    """One SIGINT once the tool blocks; once stderr shows ``then``, a second one if
+    ``again``. The exit code and all the process printed (stdout, stderr); the process is
+    killed if it has not ended."""
     assert process.stdout is not None and process.stderr is not None
     try:
         out = read_until(process.stdout, b'"tool_progress"')  # the tool is blocked now
         process.send_signal(signal.SIGINT)
-        err = read_until(process.stderr, b"interrupting the task")
-        process.send_signal(signal.SIGINT)  # while the first one is still being handled
+        err = read_until(process.stderr, then)
+        if again:
+            process.send_signal(signal.SIGINT)
         code = process.wait(timeout=WAIT_S)
         out += process.stdout.read()
         err += process.stderr.read()
@@ -182,6 +192,14 @@ def test_a_second_sigint_exits_at_once_and_leaves_a_loadable_trace(tmp_path: Pat
         if process.poll() is None:
             process.kill()
             process.wait()
+    return code, out, err
+
+
+def test_a_second_sigint_exits_at_once_and_leaves_a_loadable_trace(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    process = start_stuck_run(tmp_path)
+    # The second SIGINT comes while the first one is still being handled.
+    code, out, err = interrupt_stuck_run(process, b"interrupting the task", again=True)
     assert code == EXIT_ABORTED, err
     assert b"Traceback" not in err
     for line in out.splitlines():

@@ -12,30 +12,23 @@ the answer, the follow-up and the close is forced with trio events."""
 
 from __future__ import annotations
 
-import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import trio
 from conftest import RUN_TIMEOUT_S, allow_all, open_host, trace_lines
 from test_recovery import blocking_tool
-from test_tree_takeup import _collect, _until_task_end
+from test_x15_close_answers import ANSWER, _open_answer_taken_as_steering, _prompts, _resumed
 
-from greenroom.actors.providers.scripted import (
-    Reply,
-    ScriptedProvider,
-    ScriptedStream,
-    text,
-    tool_call,
-)
+from greenroom.actors.providers.scripted import ScriptedProvider, ScriptedStream, tool_call
 from greenroom.actors.runtime.host import Host
 from greenroom.actors.runtime.session import Session
 from greenroom.actors.runtime.subagents import SUBAGENT_SYSTEM, spawn_subagent
 from greenroom.protocols.content import TextBlock, ToolCallBlock
 from greenroom.protocols.context import ModelRequest, UserMessage
-from greenroom.protocols.outputs import Output, UserMsg
-
-ANSWER = "[subagent summer finished] the sum is 5"
+from greenroom.protocols.outputs import UserMsg
 
 
 class _Script:
@@ -79,16 +72,6 @@ def _said(request: ModelRequest) -> str:
     return "".join(b.text for b in last.content if isinstance(b, TextBlock))
 
 
-def _prompts(outputs: list[Output]) -> list[str]:
-    return [
-        block.text
-        for o in outputs
-        if isinstance(o, UserMsg) and o.origin is None and o.kind == "prompt"
-        for block in o.content
-        if isinstance(block, TextBlock)
-    ]
-
-
 async def _answer_queued_behind_a_user_task(host: Host, script: _Script, workspace: Path,
                                             tools: list[Any], held: trio.Event) -> Session:
     """A root whose user task (``go on``) waits in its call, with its background child's
@@ -111,17 +94,19 @@ async def _answer_queued_behind_a_user_task(host: Host, script: _Script, workspa
     return root
 
 
-async def _resumed(data_dir: Path, root: Session, provider: ScriptedProvider,
-                   tools: list[Any]) -> tuple[list[Output], list[dict[str, Any]]]:
-    """The root's outputs up to its task's end and its trace, taken up by the next host."""
-    async with open_host(data_dir) as host:
-        loaded = await host.load_session(root.id, provider=provider, tools=tools)
-        send, inbox = trio.open_memory_channel[list[Output]](math.inf)
-        loaded.watch(send)
-        await host.resume(root.id, provider=provider, tools=tools, approve=allow_all)
-        with trio.fail_after(RUN_TIMEOUT_S):
-            seen = await _until_task_end(inbox)
-        return seen, trace_lines(loaded)
+@asynccontextmanager
+async def _open_answer_queued_behind_a_user_task(
+    data_dir: Path, workspace: Path
+) -> AsyncIterator[tuple[Host, Session, _Script, list[Any]]]:
+    """A host (closed on leaving) with such a root (within the run's time limit), its
+    script and its tools."""
+    script = _Script()
+    hold, held = blocking_tool()
+    tools = [hold, spawn_subagent]
+    with trio.fail_after(RUN_TIMEOUT_S):
+        async with open_host(data_dir) as host:
+            root = await _answer_queued_behind_a_user_task(host, script, workspace, tools, held)
+            yield host, root, script, tools
 
 
 def _queued_answer(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -138,12 +123,8 @@ async def test_s15close2_an_answer_queued_behind_a_user_task_survives_the_hosts_
     """The host closes while the user's follow-up waits in its call, the child's answer
     queued behind it: the follow-up ends aborted and the answer is recorded queued (before:
     nowhere in the root's trace); the next host's ``resume`` runs it."""
-    script = _Script()
-    hold, held = blocking_tool()
-    tools = [hold, spawn_subagent]
-    with trio.fail_after(RUN_TIMEOUT_S):
-        async with open_host(data_dir) as host:
-            root = await _answer_queued_behind_a_user_task(host, script, workspace, tools, held)
+    async with _open_answer_queued_behind_a_user_task(data_dir, workspace) as opened:
+        _, root, script, tools = opened
     lines = trace_lines(root)
     ends = [line["status"] for line in lines if line["type"] == "task_end"]
     assert ends == ["aborted"]  # the compaction started the trace's next file
@@ -161,14 +142,10 @@ async def test_s15close2_an_answer_queued_behind_a_user_task_survives_close_sess
 ) -> None:
     """As above, the root closed alone (``close_session``, scope ``tree``) while its host
     stays open."""
-    script = _Script()
-    hold, held = blocking_tool()
-    tools = [hold, spawn_subagent]
-    with trio.fail_after(RUN_TIMEOUT_S):
-        async with open_host(data_dir) as host:
-            root = await _answer_queued_behind_a_user_task(host, script, workspace, tools, held)
-            await host.close_session(root.id)
-            lines = trace_lines(root)
+    async with _open_answer_queued_behind_a_user_task(data_dir, workspace) as opened:
+        host, root, script, tools = opened
+        await host.close_session(root.id)
+        lines = trace_lines(root)
     ends = [line["status"] for line in lines if line["type"] == "task_end"]
     assert ends == ["aborted"]  # the compaction started the trace's next file
     assert len(_queued_answer(lines)) == 1
@@ -182,33 +159,13 @@ async def test_s15close2_a_users_interrupt_still_drops_the_answer_queued_behind_
     """R-ABORT-1, unchanged: the user's own interrupt (scope ``node``) of that task drops
     the queue, the child's answer with it; nothing of it is recorded, and the host's close
     that follows records nothing either."""
-    script = _Script()
-    hold, held = blocking_tool()
-    tools = [hold, spawn_subagent]
-    with trio.fail_after(RUN_TIMEOUT_S):
-        async with open_host(data_dir) as host:
-            root = await _answer_queued_behind_a_user_task(host, script, workspace, tools, held)
-            assert root.interrupt("stop", scope="node")
-            await root.wait_idle()
+    async with _open_answer_queued_behind_a_user_task(data_dir, workspace) as opened:
+        _, root, _, _ = opened
+        assert root.interrupt("stop", scope="node")
+        await root.wait_idle()
     lines = trace_lines(root)
     assert lines[-1]["type"] == "task_end" and lines[-1]["status"] == "aborted"
     assert _queued_answer(lines) == []
-
-
-def _steering_model(request: ModelRequest) -> Reply:
-    """The root spawns the child in the background and waits in a call that only an
-    interrupt ends (the answer comes as its steering); taken up, it merges the answer."""
-    if (request.system or "").startswith(SUBAGENT_SYSTEM):
-        return Reply(blocks=(text("the sum is 5"),))
-    if "[subagent summer finished]" in _said(request):
-        return Reply(blocks=(text("merged: the sum is 5"),))
-    spawn = {"task": "add 2 and 3", "background": True, "name": "summer"}
-    return Reply(
-        blocks=(
-            ToolCallBlock(id="s1", name="spawn_subagent", arguments=spawn),
-            tool_call("h1", "hold", key="k"),
-        )
-    )
 
 
 async def test_s15close2_an_answer_in_the_steering_of_a_user_task_survives_close_session(
@@ -217,19 +174,10 @@ async def test_s15close2_an_answer_in_the_steering_of_a_user_task_survives_close
     """The answer came as steering of the root's task, which waits in its call; the root is
     closed alone (scope ``tree``): the task ends aborted and the answer is recorded queued
     (before: dropped with the steering), and the next host runs it."""
-    hold, _ = blocking_tool()
-    model = ScriptedProvider(_steering_model)
-    tools = [hold, spawn_subagent]
-    told = trio.Event()
-    with trio.fail_after(RUN_TIMEOUT_S):
-        async with trio.open_nursery() as nursery, open_host(data_dir) as host:
-            host.on_closed = lambda session_id: told.set()
-            root = await host.create_session(provider=model, tools=tools,
-                                             workspace_dir=workspace)
-            nursery.start_soon(_collect, root.run("sum it up", approve=allow_all))
-            await told.wait()
-            await host.close_session(root.id)
-            lines = trace_lines(root)
+    async with _open_answer_taken_as_steering(data_dir, workspace) as opened:
+        host, root, model, tools = opened
+        await host.close_session(root.id)
+        lines = trace_lines(root)
     assert [line["type"] for line in lines[-2:]] == ["task_end", "task_queued"]
     assert lines[-2]["status"] == "aborted"
     assert lines[-1]["content"] == [{"type": "text", "text": ANSWER}]

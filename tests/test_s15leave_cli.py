@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,8 +25,8 @@ if str(ROOT) not in sys.path:  # `tests` is not a package on pytest's default sy
 from greenroom.actors.apps.chat import PROMPT  # noqa: E402
 from greenroom.actors.providers.scripted_brain import DEMO_PROMPT  # noqa: E402
 from tests.test_chat import Terminal, TrioThreadHold, open_chat  # noqa: E402
-from tests.test_cli import CLI, cli_env, greenroom  # noqa: E402
-from tests.test_cli_interrupt import STUCK_TOOLS, WAIT_S, read_until  # noqa: E402
+from tests.test_cli import greenroom  # noqa: E402
+from tests.test_cli_interrupt import interrupt_stuck_run, start_stuck_run  # noqa: E402
 
 EXIT_OK = 0
 EXIT_ABORTED = 130
@@ -46,13 +44,6 @@ def assert_whole_trace(data: Path, session_id: str) -> list[dict[str, object]]:
 
 
 # -- chat ---------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def workspace(tmp_path: Path) -> Path:
-    directory = tmp_path / "ws"
-    directory.mkdir()
-    return directory
 
 
 def quit_during_the_task(terminal: Terminal, hold: TrioThreadHold) -> None:
@@ -99,17 +90,6 @@ def test_the_chat_leaves_with_0_while_a_tool_ignores_the_interrupt(
 # -- run ----------------------------------------------------------------------------------
 
 
-def start_stuck_run(tmp_path: Path) -> subprocess.Popen[bytes]:
-    tools = tmp_path / "stuck_tools.py"
-    tools.write_text(STUCK_TOOLS, encoding="utf-8")
-    return subprocess.Popen(
-        [*CLI, "run", "--json", "--approve", "all", "--tools", str(tools),
-         "--data-dir", str(tmp_path / "data"), DEMO_PROMPT],
-        cwd=tmp_path, env=cli_env(tmp_path), stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
-
-
 @pytest.mark.parametrize("sigints", [1, 2], ids=["one-sigint", "a-second-after-the-summary"])
 def test_run_interrupted_once_ends_with_130_while_a_tool_ignores_the_interrupt(
     sigints: int, tmp_path: Path
@@ -118,20 +98,8 @@ def test_run_interrupted_once_ends_with_130_while_a_tool_ignores_the_interrupt(
     printed whole), although the tool it abandoned never ends; a second one after the
     summary line, while the process would wait for that tool, leaves too (exit 130)."""
     process = start_stuck_run(tmp_path)
-    assert process.stdout is not None and process.stderr is not None
-    try:
-        out = read_until(process.stdout, b'"tool_progress"')  # the tool is blocked now
-        process.send_signal(signal.SIGINT)
-        err = read_until(process.stderr, b"aborted \xc2\xb7")  # the summary line
-        if sigints == 2:
-            process.send_signal(signal.SIGINT)
-        code = process.wait(timeout=WAIT_S)
-        out += process.stdout.read()
-        err += process.stderr.read()
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+    # the second SIGINT, if any, after the summary line
+    code, out, err = interrupt_stuck_run(process, b"aborted \xc2\xb7", again=sigints == 2)
     assert code == EXIT_ABORTED, err
     assert b"Traceback" not in err
     outputs = [json.loads(line) for line in out.splitlines()]  # whole JSON lines only

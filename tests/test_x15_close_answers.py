@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -62,13 +64,13 @@ def _prompts(outputs: list[Output]) -> list[str]:
     ]
 
 
-async def test_x15_a_live_childs_answer_taken_by_a_busy_root_as_the_host_closes_runs_next_time(
+@asynccontextmanager
+async def _open_answer_taken_as_steering(
     data_dir: Path, workspace: Path
-) -> None:
-    """The root's task waits in a call when its background child's answer comes (taken as
-    steering), then the host closes: the root's task ends aborted and the answer is
-    recorded as a queued follow-up (before: dropped with the close's interrupt, nowhere in
-    the root's trace). The next host takes it up (``resume``): the root answers it."""
+) -> AsyncIterator[tuple[Host, Session, ScriptedProvider, list[Any]]]:
+    """A host (closed on leaving, within the run's time limit) with a root whose task waits
+    in its call, its background child's answer taken as the task's steering; the root's
+    model and tools."""
     hold, _ = blocking_tool()
     model = ScriptedProvider(_model)
     tools = [hold, spawn_subagent]
@@ -81,21 +83,40 @@ async def test_x15_a_live_childs_answer_taken_by_a_busy_root_as_the_host_closes_
             root = await host.create_session(provider=model, tools=tools, workspace_dir=workspace)
             nursery.start_soon(_collect, root.run("sum it up", approve=allow_all))
             await told.wait()
-            # The host closes now, the root's task still waiting in its call.
+            yield host, root, model, tools
+
+
+async def _resumed(
+    data_dir: Path, root: Session, provider: ScriptedProvider, tools: list[Any]
+) -> tuple[list[Output], list[dict[str, Any]]]:
+    """The root's outputs up to its task's end and its trace, taken up by the next host."""
+    async with open_host(data_dir) as host:
+        loaded = await host.load_session(root.id, provider=provider, tools=tools)
+        send, inbox = trio.open_memory_channel[list[Output]](math.inf)
+        loaded.watch(send)
+        await host.resume(root.id, provider=provider, tools=tools, approve=allow_all)
+        with trio.fail_after(RUN_TIMEOUT_S):
+            seen = await _until_task_end(inbox)
+        return seen, trace_lines(loaded)
+
+
+async def test_x15_a_live_childs_answer_taken_by_a_busy_root_as_the_host_closes_runs_next_time(
+    data_dir: Path, workspace: Path
+) -> None:
+    """The root's task waits in a call when its background child's answer comes (taken as
+    steering), then the host closes: the root's task ends aborted and the answer is
+    recorded as a queued follow-up (before: dropped with the close's interrupt, nowhere in
+    the root's trace). The next host takes it up (``resume``): the root answers it."""
+    async with _open_answer_taken_as_steering(data_dir, workspace) as opened:
+        _, root, model, tools = opened
+        # The host closes now, the root's task still waiting in its call.
     lines = trace_lines(root)
     assert [line["type"] for line in lines[-2:]] == ["task_end", "task_queued"]
     assert lines[-2]["status"] == "aborted"
     assert lines[-1]["content"] == [{"type": "text", "text": ANSWER}]
     queue_id = lines[-1]["queue_id"]
 
-    async with open_host(data_dir) as host:
-        root = await host.load_session(root.id, provider=model, tools=tools)
-        send, inbox = trio.open_memory_channel[list[Output]](math.inf)
-        root.watch(send)
-        await host.resume(root.id, provider=model, tools=tools, approve=allow_all)
-        with trio.fail_after(RUN_TIMEOUT_S):
-            seen = await _until_task_end(inbox)
-        lines = trace_lines(root)
+    seen, lines = await _resumed(data_dir, root, model, tools)
     assert _prompts(seen) == [ANSWER]
     (prompt,) = [o for o in seen if isinstance(o, UserMsg) and o.kind == "prompt"]
     assert prompt.queued_id == queue_id
