@@ -69,6 +69,7 @@ def _make_tagged_unstructure(cls: type[Any]) -> Callable[[Any], dict[str, Any]]:
         # they are always written.
         "turn",
         "usage",
+        "answer_failures",
     ):
         if name in field_names:
             overrides[name] = override(omit_if_default=True)

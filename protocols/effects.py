@@ -29,6 +29,9 @@ first of these that applies (:func:`first_resolver`):
 
 Each resolution is one ``call_resolved`` record (``by``, ``outcome``): exactly one for each
 ``call_in_doubt``, before the call's result or its second run.
+
+A task's ``final_answer`` call (R-OUT-1) is no tool and runs nothing: it is never in doubt
+(:mod:`greenroom.actors.runtime.in_doubt` gives it its result from its recorded arguments).
 """
 
 from __future__ import annotations

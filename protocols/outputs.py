@@ -572,6 +572,9 @@ class CompactionEnd(Envelope):
             keeps the task's ``max_turns`` count and its ``task_end`` usage (R-RUN-6,
             R-RUN-7). Left out when 0 and None (a trace written before them reads so).
         usage: see ``turn`` (a :class:`~greenroom.protocols.stream.TokenUsage`).
+        answer_failures: for status ``ok`` in a task with an ``output_schema``, the invalid
+            answers it had had: the new trace file alone keeps the task to its one repair
+            round (R-OUT-1). Left out when 0 (a trace written before it reads so).
     """
 
     TYPE: ClassVar[str] = "compaction_end"
@@ -587,6 +590,7 @@ class CompactionEnd(Envelope):
     session_rules: tuple[str, ...] = ()
     turn: int = 0
     usage: TokenUsage | None = None
+    answer_failures: int = 0
 
 
 @_documented

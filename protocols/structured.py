@@ -31,7 +31,8 @@ the whole check stops at its :func:`check_budget` (linear in the answer's length
 back once with its problems (:data:`ANSWER_ATTEMPTS`); a second invalid one fails the task
 naming them.
 :class:`AnswerCheck` keeps that account for the task record: a fold of the trace, so a task
-taken up elsewhere knows how many answers it has had.
+taken up elsewhere knows how many answers it has had (a trace file a compaction started
+counts those before it in its first record: :meth:`AnswerCheck.carry`).
 
 The wire forms of a schema for the providers that restrict JSON Schema —
 :func:`anthropic_schema`, :func:`openai_strict` — are here too, next to the validator that
@@ -71,6 +72,7 @@ from greenroom.protocols.tools import (
     MAX_ARGUMENT_DEPTH,
     NotAJsonNumber,
     decode_strict_json,
+    invalid_arguments_reason,
     json_text_too_deep,
 )
 
@@ -950,6 +952,12 @@ class AnswerCheck:
         """Whether the task has had its :data:`ANSWER_ATTEMPTS` invalid answers."""
         return self.failures >= ANSWER_ATTEMPTS
 
+    def carry(self, failures: int) -> None:
+        """The task's invalid answers before the trace file this check is read from (a
+        compaction's ``compaction_end`` counts them): they count toward
+        :data:`ANSWER_ATTEMPTS` as the file's own do."""
+        self._failures += failures
+
     def begin_attempt(self) -> None:
         """A new attempt: what it says supersedes any earlier answer."""
         self._texts = []
@@ -1015,9 +1023,9 @@ class AnswerCheck:
 
 def check_call(call: ToolCallBlock, schema: Mapping[str, Any]) -> list[str]:
     """The problems of a :data:`FINAL_ANSWER` call's arguments (its text may not even be
-    a JSON object)."""
+    a JSON object: then why, as a tool call's error says it, R-TOOL-5)."""
     if call.invalid_arguments is not None:
-        return ["$: the arguments are not a JSON object"]
+        return [f"$: the arguments are {invalid_arguments_reason(call.invalid_arguments)}"]
     return validate(call.arguments, schema)
 
 

@@ -767,8 +767,10 @@ class TaskRecord:
         if self.run_id is None:
             # The first record of a trace file that a compaction started, read on its own
             # (R-COMPACT-8): the task that compacted goes on here, held to its schema,
-            # with the turns and tokens it had spent (R-RUN-6, R-RUN-7).
+            # with the turns, tokens and invalid answers it had (R-RUN-6, R-RUN-7, R-OUT-1).
             self.start(output.run_id, "task", output.output_schema)
+            if self.answers is not None:
+                self.answers.carry(output.answer_failures)
             self.turn = output.turn
             self.usage = self.usage if output.usage is None else output.usage
         reason = self.compaction_reason

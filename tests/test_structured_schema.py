@@ -200,7 +200,7 @@ def test_the_answer_check_counts_invalid_answers_across_attempts() -> None:
     assert check.exhausted and check.answer is None
     assert check.failure_message() == (
         "the answer does not match the output schema after 1 repair round: "
-        "$: the arguments are not a JSON object"
+        "$: the arguments are malformed JSON: expecting ',' delimiter at character 2"
     )
 
 

@@ -221,6 +221,8 @@ class CompactionRun:
                 session_rules=rules,
                 turn=turn if in_task else 0,
                 usage=record.usage if in_task else None,
+                # ... and the invalid answers it had: one repair round in all (R-OUT-1).
+                answer_failures=answers.failures if answers is not None else 0,
             )
         )
         for queued in (*record.queued, *record.steering):

@@ -18,6 +18,10 @@ first that can (:func:`~greenroom.protocols.effects.first_resolver`):
   answering within the session's timeout leaves the model the note;
 - the note: the host-lost result, not run again.
 
+A task's ``final_answer`` call (R-OUT-1) is never in doubt: it runs nothing, so a take-up
+gives it its result from the arguments the trace records (taken, or the schema's problems),
+as the host that stopped would have; a valid answer completes the task.
+
 A call a ``before_tool`` hook rewrote is checked, shown to a person and run once more as
 rewritten (R-HOOK-2): those arguments were approved and ran, and the task record keeps
 them from the call's ``tool_hook`` record. What a check found is the call's result: the
@@ -70,6 +74,7 @@ from greenroom.protocols.outputs import (
     ToolStatus,
 )
 from greenroom.protocols.people import arguments_digest
+from greenroom.protocols.structured import FINAL_ANSWER
 from greenroom.protocols.task import TaskRecord
 from greenroom.protocols.turn import CallState, Effect, TurnMachine
 
@@ -139,6 +144,13 @@ class CallsInDoubt:
         in_doubt = False
         for position, call in enumerate(machine.calls()):
             if machine.call_state(call.id) is not CallState.RUNNING:
+                continue
+            if _is_answer(call, record):
+                # Runs nothing: "run" again, its result is its recorded arguments checked
+                # once more, and a valid answer is the task's (R-OUT-1), never lost. A task
+                # told to stop starts no call: its end settles this one as interrupted.
+                if not stopping:
+                    self._turns.apply([RunToolCall(call=call, position=position)])
                 continue
             in_doubt = True
             if call.id not in record.in_doubt:
@@ -332,6 +344,15 @@ class CallsInDoubt:
             check_error=check_error,
         )
         return None
+
+
+def _is_answer(call: ToolCallBlock, record: TaskRecord) -> bool:
+    """Whether ``call`` is the task's ``final_answer`` (R-OUT-1): no tool, never in doubt.
+    One an earlier host recorded in doubt (before this rule) is resolved as any other, so
+    that its ``call_in_doubt`` has its ``call_resolved``."""
+    return call.name == FINAL_ANSWER and record.answers is not None and (
+        call.id not in record.in_doubt
+    )
 
 
 def _asked_check_error(record: TaskRecord, call_id: str) -> str | None:
