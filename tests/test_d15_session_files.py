@@ -34,7 +34,7 @@ if str(ROOT) not in sys.path:  # `tests` is not a package on pytest's default sy
 from greenroom.actors.apps.exits import UsageError  # noqa: E402
 from greenroom.actors.apps.replay import replay_session  # noqa: E402
 from greenroom.actors.cluster.store import ReplicatingTraceStore  # noqa: E402
-from greenroom.actors.runtime import Host, SessionNotFound  # noqa: E402
+from greenroom.actors.runtime import Host, Session, SessionNotFound  # noqa: E402
 from greenroom.actors.runtime.trace_store import TraceStore  # noqa: E402
 from greenroom.actors.scripted import ScriptedProvider  # noqa: E402
 from tests.test_c14_cli_files import _replace, forked  # noqa: E402
@@ -132,12 +132,18 @@ async def _raised_within_bound(fifo: Path, call: Callable[[], Awaitable[object]]
     return raised
 
 
+async def _stored_session(host: Host, workspace: Path) -> Session:
+    """A new session of ``host``, closed again: stored, its files on disk."""
+    session = await host.create_session(provider=ScriptedProvider(()), workspace_dir=workspace)
+    await host.close_session(session.id)
+    return session
+
+
 async def test_loading_a_session_whose_session_json_is_a_fifo_raises_session_not_found(
     data_dir: Path, workspace: Path
 ) -> None:
     async with Host.open(data_dir) as host:
-        session = await host.create_session(provider=ScriptedProvider(()), workspace_dir=workspace)
-        await host.close_session(session.id)
+        session = await _stored_session(host, workspace)
         meta = data_dir / "sessions" / session.id / "session.json"
         _replace(meta, "fifo")
         raised = await _raised_within_bound(
@@ -153,8 +159,7 @@ async def test_loading_a_session_whose_trace_is_a_fifo_raises_an_os_error_naming
     data_dir: Path, workspace: Path
 ) -> None:
     async with Host.open(data_dir) as host:
-        session = await host.create_session(provider=ScriptedProvider(()), workspace_dir=workspace)
-        await host.close_session(session.id)
+        session = await _stored_session(host, workspace)
         trace = data_dir / "sessions" / session.id / "trace_001.jsonl"
         trace.write_bytes(b"")
         _replace(trace, "fifo")
@@ -180,8 +185,7 @@ async def test_replay_on_a_cluster_store_names_a_trace_that_is_a_directory(
     data_dir: Path, workspace: Path
 ) -> None:
     async with Host.open(data_dir, trace_store=_cluster_store) as host:
-        session = await host.create_session(provider=ScriptedProvider(()), workspace_dir=workspace)
-        await host.close_session(session.id)
+        session = await _stored_session(host, workspace)
         trace = data_dir / "sessions" / session.id / "trace_001.jsonl"
         trace.write_bytes(b"")
         _replace(trace, "dir")
